@@ -1,0 +1,239 @@
+"""Token data: a LightningDataModule over a flat binary token file, with a download-free default corpus.
+
+Sampling is *layout-invariant*: global sample ``i`` is the window at ``start(i)``, a pure function of
+``(seed, stream, i)``. Global batch ``g`` holds samples ``[g*GB, (g+1)*GB)`` with ``GB = batch_size * dp_size``, and
+data-parallel rank ``r`` takes rows ``[r*batch_size, (r+1)*batch_size)`` of it. So for a fixed global batch the
+concatenation over dp ranks is identical whatever the dp size. With gradient accumulation, consecutive micro-batches
+of one rank are consecutive *global batches*: invariance holds per micro-batch step (an optimizer step over ``k``
+micro-batches sees global batches ``g..g+k-1``), so changing dp while keeping ``batch_size*dp`` fixed keeps the data
+identical step for step, while trading dp for accumulation does not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any, Iterator, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_BLOCK = 4096  # starts are drawn in blocks so random access to sample i costs one small RNG call
+_TRAIN_STREAM, _VAL_STREAM = 0, 1  # separate RNG streams; [seed, stream, block] never collides across seeds
+_CORPUS_CAP = 8 * 1024 * 1024
+_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+def write_tokens(path: str, tokens: Any, dtype: str = "uint16") -> str:
+    """Write token ids as a flat binary file, atomically (temp file in the same dir, then ``os.replace``)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    arr = np.asarray(tokens)
+    info = np.iinfo(_DTYPES[dtype])
+    if arr.size and (arr.min() < 0 or arr.max() > info.max):
+        raise ValueError(f"tokens out of range for dtype {dtype}: [{arr.min()}, {arr.max()}]")
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # same-dir temp file: os.replace is atomic only within one filesystem, so concurrent ranks never see half a file
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp_tokens_")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(arr.astype(_DTYPES[dtype], copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def default_corpus_path(cache_dir: Optional[str] = None) -> str:
+    """Byte-level tokens (vocab 256, uint16) of this Python's own stdlib source, built once and cached.
+
+    Deterministic on one machine: sorted paths, fixed separator, fixed cap. Several ranks may build it at the same
+    time; the atomic write makes that harmless (identical content, last ``os.replace`` wins).
+    """
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lightning_moe")
+    path = os.path.join(cache_dir, "stdlib_bytes_v1.bin")
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+        return path
+    root = os.path.dirname(os.__file__)
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    chunks, total = [], 0
+    for f in sorted(files):
+        if total >= _CORPUS_CAP:
+            break
+        with open(f, "rb") as fh:
+            data = fh.read() + b"\n"
+        chunks.append(data)
+        total += len(data)
+    buf = np.frombuffer(b"".join(chunks)[:_CORPUS_CAP], dtype=np.uint8)
+    return write_tokens(path, buf.astype(np.uint16), "uint16")
+
+
+def _check_token_file(path: str, dtype: str, seq_length: int) -> int:
+    """Return the number of tokens in ``path``, raising errors that name the offending field."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path: token file not found: {path!r}")
+    itemsize = np.dtype(_DTYPES[dtype]).itemsize
+    nbytes = os.path.getsize(path)
+    if nbytes % itemsize:
+        raise ValueError(f"path: {path!r} has {nbytes} bytes, not a multiple of the {dtype} size {itemsize}")
+    n_tokens = nbytes // itemsize
+    if n_tokens < seq_length + 1:
+        raise ValueError(
+            f"path: {path!r} holds {n_tokens} tokens, too short for one window of seq_length + 1 = {seq_length + 1}"
+        )
+    return n_tokens
+
+
+class TokenWindowDataset(Dataset):
+    """Map-style dataset over *global* sample index: item ``i`` is the window ``tokens[start(i) : start(i)+S+1]``.
+
+    Unbounded (``len`` is ``sys.maxsize``): the sampler decides how much is consumed. The memmap is opened lazily and
+    dropped on pickling so DataLoader workers each map the file instead of receiving a copy of it.
+    """
+
+    def __init__(self, path: str, dtype: str, seq_length: int, seed: int, stream: int = _TRAIN_STREAM):
+        self.path, self.dtype, self.seq_length, self.seed, self.stream = path, dtype, seq_length, seed, stream
+        self.n_tokens = _check_token_file(path, dtype, seq_length)
+        self._tokens: Optional[np.ndarray] = None
+        self._block, self._starts = -1, None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokens": None, "_block": -1, "_starts": None}
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def start(self, i: int) -> int:
+        block = i // _BLOCK
+        if block != self._block:
+            rng = np.random.default_rng([self.seed, self.stream, block])
+            # high is exclusive: the last valid start n - S - 1 makes the window end exactly at the file end
+            self._starts = rng.integers(0, self.n_tokens - self.seq_length, size=_BLOCK, dtype=np.int64)
+            self._block = block
+        return int(self._starts[i % _BLOCK])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i < 0:
+            raise IndexError(f"global sample index must be >= 0, got {i}")
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=_DTYPES[self.dtype], mode="r")
+        s = self.start(int(i))
+        window = torch.from_numpy(np.array(self._tokens[s : s + self.seq_length + 1], dtype=np.int64))
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """Yields this dp rank's rows of global batches ``first, first+1, ...`` (``first = start_batch + epoch*num_batches``).
+
+    Subclasses ``DistributedSampler`` on purpose: Lightning's data connector (``_requires_distributed_sampler``) wraps
+    *any* sampler that is not a ``DistributedSampler`` in a ``DistributedSamplerWrapper`` when distributed and
+    ``use_distributed_sampler=True`` (custom samplers included), which would re-shard our already-sharded indices.
+    ``start_batch`` is a plain attribute so an exact resume can set it to the number of global batches consumed.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_batches: int, rank: int = 0, size: int = 1,
+                 start_batch: int = 0, advance_per_epoch: bool = True):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank: must satisfy 0 <= rank < size, got rank={rank}, size={size}")
+        # deliberately not calling DistributedSampler.__init__: it sizes itself from len(dataset) (unbounded here)
+        self.dataset, self.num_replicas, self.rank = dataset, size, rank
+        self.batch_size, self.num_batches, self.start_batch = batch_size, num_batches, start_batch
+        self.advance_per_epoch, self.epoch, self.shuffle, self.drop_last, self.seed = advance_per_epoch, 0, False, True, 0
+        self.num_samples = num_batches * batch_size
+        self.total_size = self.num_samples * size
+
+    def __iter__(self) -> Iterator[int]:
+        # a new epoch continues the stream rather than repeating it (the val set stays fixed)
+        first = self.start_batch + (self.epoch * self.num_batches if self.advance_per_epoch else 0)
+        gb = self.batch_size * self.num_replicas
+        for g in range(first, first + self.num_batches):
+            base = g * gb + self.rank * self.batch_size
+            yield from range(base, base + self.batch_size)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class TokenDataModule(pl.LightningDataModule):
+    """Seeded, layout-invariant random windows over a flat token file (see the module docstring).
+
+    ``batch_size`` is the per-dp-rank micro-batch; ``train_samples`` (global samples per epoch) only gives the loader a
+    length, so ``Trainer(max_steps=...)`` governs training. dp size/rank come from the strategy's
+    ``distributed_sampler_kwargs`` (the strategy must report the *data-parallel* size/rank, so that tp/cp/pp peers read
+    the same rows) unless :meth:`set_data_parallel` was called.
+    """
+
+    def __init__(self, path: Optional[str] = None, dtype: str = "uint16", seq_length: int = 128, batch_size: int = 8,
+                 seed: int = 1234, val_batches: int = 4, num_workers: int = 0, cache_dir: Optional[str] = None,
+                 train_samples: int = 10**7):
+        super().__init__()
+        for name, value, low in (("seq_length", seq_length, 1), ("batch_size", batch_size, 1),
+                                 ("val_batches", val_batches, 0), ("num_workers", num_workers, 0),
+                                 ("train_samples", train_samples, 1)):
+            if int(value) != value or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.path, self.dtype, self.seq_length, self.batch_size = path, dtype, seq_length, batch_size
+        self.seed, self.val_batches, self.num_workers, self.cache_dir = seed, val_batches, num_workers, cache_dir
+        self.train_samples = train_samples
+        self._dp: Optional[tuple[int, int]] = None  # (rank, size) override
+        if path is not None:  # fail fast (before any process is launched) on a wrong path
+            _check_token_file(path, dtype, seq_length)
+        self._resolved_path: Optional[str] = None
+
+    def set_data_parallel(self, rank: int, size: int) -> None:
+        """Override the data-parallel rank/size (tests, non-Lightning use)."""
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank/size: need size >= 1 and 0 <= rank < size, got rank={rank}, size={size}")
+        self._dp = (rank, size)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size): the override, else the strategy's ``distributed_sampler_kwargs``, else (0, 1)."""
+        if self._dp is not None:
+            return self._dp
+        trainer = getattr(self, "trainer", None)
+        try:  # single-device strategies lack the attribute; some raise before their mesh exists
+            kw = trainer.strategy.distributed_sampler_kwargs if trainer is not None else None
+        except (AttributeError, AssertionError):
+            kw = None
+        if isinstance(kw, dict) and "num_replicas" in kw and "rank" in kw and kw["num_replicas"] >= 1:
+            return int(kw["rank"]), int(kw["num_replicas"])
+        return 0, 1
+
+    def prepare_data(self) -> None:
+        if self.path is None:  # local rank 0 builds the cache; setup() on other ranks reuses it (or rebuilds atomically)
+            default_corpus_path(self.cache_dir)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        path = self.path if self.path is not None else default_corpus_path(self.cache_dir)
+        _check_token_file(path, self.dtype, self.seq_length)
+        self._resolved_path = path
+
+    def _loader(self, stream: int, num_batches: int, advance: bool) -> DataLoader:
+        if self._resolved_path is None:
+            self.setup()
+        rank, size = self.data_parallel()
+        ds = TokenWindowDataset(self._resolved_path, self.dtype, self.seq_length, self.seed, stream)
+        sampler = GlobalBatchSampler(ds, self.batch_size, num_batches, rank, size, advance_per_epoch=advance)
+        return DataLoader(ds, batch_size=self.batch_size, sampler=sampler, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        _, size = self.data_parallel()
+        return self._loader(_TRAIN_STREAM, max(1, self.train_samples // (self.batch_size * size)), advance=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(_VAL_STREAM, self.val_batches, advance=False)

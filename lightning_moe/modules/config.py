@@ -1,0 +1,199 @@
+"""Model configuration: one dataclass, named presets with published shapes, and validation.
+
+Router fields follow Megatron Core's names in snake_case (``moe_router_topk`` -> ``topk`` and so on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+DROP_POLICIES = ("probs", "position")
+BUILTIN_DISPATCHERS = ("alltoall", "allgather", "deepep")
+ATTENTION_TYPES = ("gqa", "mla")
+
+
+@dataclass
+class ModelConfig:
+    # --- transformer ---
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_kv_heads: Optional[int] = None  # None: same as num_attention_heads (MHA)
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    ffn_hidden_size: int = 256  # dense SwiGLU layers
+    seq_length: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_type: Literal["gqa", "mla"] = "gqa"
+    # MLA shapes (DeepSeek-V3). MLA itself lands with the TP/CP issue; until then "mla" runs as MHA with the
+    # same number of heads and head_dim = qk_nope_head_dim + qk_rope_head_dim, and says so with a warning.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+
+    # --- MoE placement ---
+    num_experts: int = 8
+    moe_ffn_hidden_size: int = 128
+    moe_layer_freq: Union[int, list[int]] = 1  # int N: every Nth layer is MoE; list: 1 = MoE, 0 = dense, per layer
+    first_k_dense: int = 0  # the first k layers are dense whatever moe_layer_freq says
+    shared_expert_ffn_size: int = 0  # 0: no shared expert (DeepSeek-V3: 1 x moe_ffn_hidden_size)
+
+    # --- router (Megatron semantics) ---
+    topk: int = 2
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    pre_softmax: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    topk_scaling_factor: Optional[float] = None
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: Optional[float] = None
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    capacity_factor: Optional[float] = None  # None: dropless
+    drop_policy: Literal["probs", "position"] = "probs"
+    pad_to_capacity: bool = False
+
+    # --- execution ---
+    dispatcher: str = "alltoall"  # "alltoall" | "allgather" | "deepep" | "package.module.ClassName"
+
+    extra: dict = field(default_factory=dict)  # free-form notes carried by presets
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.attention_type == "mla" and self.qk_nope_head_dim and self.qk_rope_head_dim:
+                self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            else:
+                self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def bad(name: str, msg: str) -> ValueError:
+            return ValueError(f"ModelConfig.{name}: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length", "num_experts",
+                     "moe_ffn_hidden_size", "ffn_hidden_size", "topk"):
+            if getattr(self, name) <= 0:
+                raise bad(name, f"must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise bad("num_kv_heads", f"{self.num_kv_heads} must divide num_attention_heads={self.num_attention_heads}")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise bad("attention_type", f"unknown {self.attention_type!r}; choose from {ATTENTION_TYPES}")
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise bad("score_function", f"unknown {self.score_function!r}; choose from {SCORE_FUNCTIONS}")
+        if self.load_balancing not in LOAD_BALANCING:
+            raise bad("load_balancing", f"unknown {self.load_balancing!r}; choose from {LOAD_BALANCING}")
+        if self.drop_policy not in DROP_POLICIES:
+            raise bad("drop_policy", f"unknown {self.drop_policy!r}; choose from {DROP_POLICIES}")
+        if self.topk > self.num_experts:
+            raise bad("topk", f"topk={self.topk} exceeds num_experts={self.num_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise bad("capacity_factor", f"must be > 0 or None (dropless), got {self.capacity_factor}")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise bad("pad_to_capacity", "needs capacity_factor to be set")
+        if self.pre_softmax and self.score_function != "softmax":
+            raise bad("pre_softmax", "only applies to score_function='softmax'")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise bad("group_topk", "num_groups and group_topk must be set together")
+        if self.num_groups is not None:
+            if self.num_groups <= 0 or self.num_experts % self.num_groups:
+                raise bad("num_groups", f"{self.num_groups} must divide num_experts={self.num_experts}")
+            if not 0 < self.group_topk <= self.num_groups:
+                raise bad("group_topk", f"{self.group_topk} must be in 1..num_groups={self.num_groups}")
+            if self.topk % self.group_topk:
+                raise bad("group_topk", f"group_topk={self.group_topk} must divide topk={self.topk}")
+            if self.topk // self.group_topk > self.num_experts // self.num_groups:
+                raise bad("group_topk", f"topk/group_topk={self.topk // self.group_topk} exceeds the "
+                                        f"{self.num_experts // self.num_groups} experts per group")
+        if self.expert_bias and self.score_function != "sigmoid":
+            raise bad("expert_bias", "the aux-loss-free expert bias needs score_function='sigmoid' (as in Megatron)")
+        if self.aux_loss_coeff < 0:
+            raise bad("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
+        if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
+            raise bad("z_loss_coeff", f"must be >= 0, got {self.z_loss_coeff}")
+        if self.bias_update_rate < 0:
+            raise bad("bias_update_rate", f"must be >= 0, got {self.bias_update_rate}")
+        if self.first_k_dense < 0 or self.first_k_dense > self.num_layers:
+            raise bad("first_k_dense", f"must be in 0..num_layers={self.num_layers}, got {self.first_k_dense}")
+        if isinstance(self.moe_layer_freq, list):
+            if len(self.moe_layer_freq) != self.num_layers or any(v not in (0, 1) for v in self.moe_layer_freq):
+                raise bad("moe_layer_freq", f"a list must hold num_layers={self.num_layers} entries of 0 or 1")
+        elif self.moe_layer_freq <= 0:
+            raise bad("moe_layer_freq", f"must be positive, got {self.moe_layer_freq}")
+        if self.shared_expert_ffn_size < 0:
+            raise bad("shared_expert_ffn_size", f"must be >= 0, got {self.shared_expert_ffn_size}")
+        if "." not in self.dispatcher and self.dispatcher not in BUILTIN_DISPATCHERS:
+            raise bad("dispatcher", f"unknown {self.dispatcher!r}; choose from {BUILTIN_DISPATCHERS} "
+                                    "or give a class path 'package.module.ClassName'")
+
+    # ------------------------------------------------------------------ derived
+    def is_moe_layer(self, i: int) -> bool:
+        if i < self.first_k_dense:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.moe_layer_freq[i])
+        return i % self.moe_layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def replace(self, **overrides) -> "ModelConfig":
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A named preset with fields overridden, e.g. ``from_preset("qwen3-30b-a3b", num_layers=8, vocab_size=32768)``.
+
+        Shrinking depth keeps ``first_k_dense`` no larger than the depth; a list ``moe_layer_freq`` is recomputed.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"ModelConfig.from_preset: unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        fields = dict(PRESETS[name])
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"ModelConfig.from_preset: unknown fields {sorted(unknown)}")
+        fields.update(overrides)
+        if "num_layers" in overrides and "first_k_dense" not in overrides:
+            fields["first_k_dense"] = min(fields.get("first_k_dense", 0), max(fields["num_layers"] - 1, 0))
+        return cls(**fields)
+
+
+PRESETS: dict[str, dict] = {
+    # byte-level tiny model for CPU demos and tests
+    "tiny": dict(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=256, seq_length=128, num_experts=8, moe_ffn_hidden_size=128, topk=2,
+                 aux_loss_coeff=1e-2, z_loss_coeff=1e-3),
+    # mistralai/Mixtral-8x7B-v0.1 config.json
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_attention_heads=32, num_kv_heads=8,
+                         ffn_hidden_size=14336, seq_length=4096, rope_theta=1e6, norm_eps=1e-5, num_experts=8,
+                         moe_ffn_hidden_size=14336, topk=2, score_function="softmax", pre_softmax=False,
+                         aux_loss_coeff=0.02),
+    # Qwen/Qwen3-30B-A3B config.json (all 48 layers MoE, norm_topk_prob, qk-norm)
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32, num_kv_heads=4,
+                          head_dim=128, ffn_hidden_size=6144, seq_length=4096, rope_theta=1e6, norm_eps=1e-6,
+                          qk_norm=True, num_experts=128, moe_ffn_hidden_size=768, topk=8, score_function="softmax",
+                          pre_softmax=False, aux_loss_coeff=1e-3),
+    # deepseek-ai/DeepSeek-V3 config.json: 3 dense layers, 1 shared expert, sigmoid routing with the aux-loss-free
+    # expert bias, 8 groups with top-4 groups, routed scaling 2.5, sequence-wise aux loss alpha=1e-4.
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, num_layers=61, num_attention_heads=128,
+                        ffn_hidden_size=18432, seq_length=4096, rope_theta=10000.0, norm_eps=1e-6,
+                        attention_type="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, num_experts=256, moe_ffn_hidden_size=2048,
+                        first_k_dense=3, shared_expert_ffn_size=2048, topk=8, score_function="sigmoid",
+                        num_groups=8, group_topk=4, topk_scaling_factor=2.5, expert_bias=True,
+                        bias_update_rate=1e-3, load_balancing="seq_aux_loss", aux_loss_coeff=1e-4),
+}

@@ -1,0 +1,140 @@
+"""The TokenDispatcher interface and the local permute/unpermute steps every dispatcher shares.
+
+A dispatcher moves routed token copies to the experts and back in six steps. Local steps (no communication) are
+separate from communication steps so that a schedule can overlap one micro-batch's communication with another's
+compute, as Megatron's dispatchers do:
+
+    dispatch_preprocess  local   permute token copies into expert order
+    token_dispatch       comm    send them to the ranks that own the experts
+    dispatch_postprocess local   sort what arrived by local expert -> (x_MD, tokens_per_local_expert_L)
+    ... experts ...
+    combine_preprocess   local   inverse of dispatch_postprocess
+    token_combine        comm    send expert outputs back
+    combine_postprocess  local   unpermute and weight by the router probabilities -> y_TD
+
+Shapes: T tokens, K top-k, D hidden, E experts, L local experts, N = T*K assignments (E*C when padded to
+capacity), M rows this rank's experts process.
+
+The base class is the single-rank dispatcher (communication steps are identities). Dropped assignments (capacity)
+are sorted behind every kept one (a sentinel expert id E), so there is no data-dependent shape and no host sync on
+one rank; their rows are never read back.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.router import expert_capacity
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+@dataclass
+class DispatchState:
+    """What the combine steps need from the dispatch steps of one forward call."""
+    num_tokens: int
+    rows_TK: torch.Tensor  # permuted row of each assignment (padded: its capacity slot, or the zero row E*C)
+    probs_TK: torch.Tensor
+    keep_TK: Optional[torch.Tensor]
+    tokens_per_expert_E: torch.Tensor  # rows per global expert in permuted order (kept, or C each when padded)
+    extra: dict[str, Any] = field(default_factory=dict)  # dispatcher-specific (split sizes, ...)
+    has_tail: bool = False  # the expert input holds rows past the last expert's (dropped / other ranks' copies)
+
+
+class TokenDispatcher:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.num_experts, self.topk = cfg.num_experts, cfg.topk
+        self.num_local_experts = cfg.num_experts // ctx.ep
+        self.local_expert_offset = ctx.rank("ep") * self.num_local_experts
+        self.pad_to_capacity = cfg.pad_to_capacity
+
+    # ------------------------------------------------------------------ local steps
+    def dispatch_preprocess(self, x_TD: torch.Tensor, route) -> tuple[torch.Tensor, DispatchState]:
+        """Permute token copies into global-expert order (stable: token order within each expert)."""
+        T, K, E = x_TD.shape[0], self.topk, self.num_experts
+        experts_N = route.experts_TK.reshape(-1)
+        if route.keep_TK is not None:
+            experts_N = torch.where(route.keep_TK.reshape(-1), experts_N, E)  # dropped -> sentinel, sorted last
+        counts_E = torch.zeros(E + 1, device=x_TD.device, dtype=torch.int64)
+        counts_E = counts_E.scatter_add_(0, experts_N, torch.ones_like(experts_N))[:E]
+        order_N = torch.argsort(experts_N, stable=True)
+        rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(T * K, device=x_TD.device))
+        if not self.pad_to_capacity:
+            st = DispatchState(T, rank_N.view(T, K), route.probs_TK, route.keep_TK, counts_E,
+                               has_tail=route.keep_TK is not None)
+            return x_TD[order_N // K], st
+        # pad to capacity: expert e owns rows [e*C, (e+1)*C); empty slots read a zero row, dropped copies read none
+        C = expert_capacity(T, E, K, self.cfg.capacity_factor)
+        starts_E = counts_E.cumsum(0) - counts_E
+        pos_N = rank_N - starts_E[experts_N.clamp(max=E - 1)]
+        kept_N = experts_N < E
+        slot_N = torch.where(kept_N, experts_N.clamp(max=E - 1) * C + pos_N, E * C)
+        token_N = torch.arange(T * K, device=x_TD.device) // K
+        src_S = torch.full((E * C + 1,), T, device=x_TD.device, dtype=torch.int64).scatter_(0, slot_N, token_N)
+        x_pad = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
+        st = DispatchState(T, slot_N.view(T, K), route.probs_TK, route.keep_TK, torch.full_like(counts_E, C))
+        return x_pad[src_S[: E * C]], st
+
+    def dispatch_postprocess(self, x_MD: torch.Tensor, st: DispatchState) -> tuple[torch.Tensor, torch.Tensor]:
+        return x_MD, st.tokens_per_expert_E
+
+    def combine_preprocess(self, y_MD: torch.Tensor, st: DispatchState) -> torch.Tensor:
+        return y_MD
+
+    def combine_postprocess(self, y_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:
+        """Gather each assignment's expert output and sum over top-k weighted by the router probabilities."""
+        if self.pad_to_capacity:
+            y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])
+        y_TKD = y_ND[st.rows_TK]
+        if st.keep_TK is not None:  # dropped rows hold undefined memory: zero them, a 0 prob would not hide NaN
+            y_TKD = torch.where(st.keep_TK.unsqueeze(-1), y_TKD, 0)
+        probs_T1K = st.probs_TK.unsqueeze(1).to(y_TKD.dtype)
+        return torch.bmm(probs_T1K, y_TKD).squeeze(1)
+
+    # ------------------------------------------------------------------ communication steps
+    def token_dispatch(self, x_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:
+        return x_ND
+
+    def token_combine(self, y_MD: torch.Tensor, st: DispatchState) -> torch.Tensor:
+        return y_MD
+
+    # ------------------------------------------------------------------ convenience
+    def dispatch(self, x_TD: torch.Tensor, route) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        x_ND, st = self.dispatch_preprocess(x_TD, route)
+        x_MD = self.token_dispatch(x_ND, st)
+        x_MD, tokens_per_local_expert_L = self.dispatch_postprocess(x_MD, st)
+        return x_MD, tokens_per_local_expert_L, st
+
+    def combine(self, y_MD: torch.Tensor, st: DispatchState) -> torch.Tensor:
+        y = self.combine_preprocess(y_MD, st)
+        y = self.token_combine(y, st)
+        return self.combine_postprocess(y, st)
+
+
+def build_dispatcher(cfg: ModelConfig, ctx: ParallelContext) -> TokenDispatcher:
+    """Resolve ``cfg.dispatcher``: a built-in name or a ``package.module.ClassName`` path."""
+    name = cfg.dispatcher
+    if name == "deepep":
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError as e:
+            raise ImportError("dispatcher='deepep' needs the DeepEP package (deep_ep), built from source; "
+                              "the PyPI package 'deep-ep' is not DeepEP. Use 'alltoall' instead.") from e
+        raise NotImplementedError("dispatcher='deepep' is not implemented yet; use 'alltoall'")
+    if name in ("alltoall", "allgather"):
+        from lightning_moe.modules import dispatchers
+        cls = dispatchers.AllToAllDispatcher if name == "alltoall" else dispatchers.AllGatherDispatcher
+    else:
+        module_name, _, cls_name = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"ModelConfig.dispatcher: cannot import {name!r}: {e}") from e
+        if not (isinstance(cls, type) and issubclass(cls, TokenDispatcher)):
+            raise ValueError(f"ModelConfig.dispatcher: {name!r} is not a TokenDispatcher subclass")
+    return cls(cfg, ctx)

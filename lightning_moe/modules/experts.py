@@ -1,0 +1,108 @@
+"""Experts: grouped-GEMM SwiGLU over all local experts in two kernel calls, plus the dense SwiGLU MLP.
+
+Shapes: M = rows routed to this rank's experts (sorted by local expert), D = hidden, F = this rank's share of the
+expert FFN size (F_full / ETP), L = local experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe.modules.init import fill_normal_, full_normal, shard
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
+    """``x[rows of group l] @ w[l]``. Rows past ``offs[-1]`` are left undefined (callers mask them).
+
+    ``torch.nn.functional.grouped_mm`` does the work; float64 (gradcheck) and shapes whose strides are not 16-byte
+    aligned fall back to a gather-based reference that is slow but loop-free.
+    """
+    aligned = (x_MK.shape[-1] * x_MK.element_size()) % 16 == 0 and (w_LKN.shape[-1] * w_LKN.element_size()) % 16 == 0
+    if x_MK.dtype in _GROUPED_MM_DTYPES and aligned:
+        return F.grouped_mm(x_MK, w_LKN, offs=offs_L)
+    rows = torch.arange(x_MK.shape[0], device=x_MK.device)
+    group_M = torch.bucketize(rows, offs_L.to(torch.int64), right=True).clamp_(max=w_LKN.shape[0] - 1)
+    return torch.bmm(x_MK.unsqueeze(1), w_LKN[group_M]).squeeze(1)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # grouped_mm has no autocast rule: follow autocast (bf16-mixed) by hand, as F.linear would
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class GroupedExperts(nn.Module):
+    """``num_local_experts`` SwiGLU experts whose FFN dimension is sharded over ``etp_size`` ranks.
+
+    ``w13`` holds [gate | up] side by side so that the first GEMM is one kernel call; ``w2`` is the down projection.
+    Expert ``l`` here is global expert ``expert_offset + l``.
+    """
+
+    is_expert = True  # gradients are reduced over the expert-data-parallel group
+
+    def __init__(self, num_local_experts: int, hidden: int, ffn_full: int, expert_offset: int = 0,
+                 etp_rank: int = 0, etp_size: int = 1, init_std: float = 0.02, out_std: float = 0.02):
+        super().__init__()
+        self.num_local_experts, self.hidden, self.expert_offset = num_local_experts, hidden, expert_offset
+        self.etp_rank, self.etp_size, self.init_std, self.out_std = etp_rank, etp_size, init_std, out_std
+        self.ffn = ffn_full // etp_size
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, hidden, 2 * self.ffn))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, self.ffn, hidden))
+        for p in (self.w13, self.w2):
+            p.is_expert = True
+
+    @torch.no_grad()
+    def reset_parameters_sharded(self, seed: int, name: str) -> None:
+        dev, F_ = self.w13.device, self.ffn * self.etp_size
+        for l in range(self.num_local_experts):  # init only, once: one full expert at a time bounds memory
+            e = self.expert_offset + l
+            gate = full_normal((self.hidden, F_), self.init_std, seed, f"{name}.gate.{e}", dev)
+            up = full_normal((self.hidden, F_), self.init_std, seed, f"{name}.up.{e}", dev)
+            down = full_normal((F_, self.hidden), self.out_std, seed, f"{name}.down.{e}", dev)
+            self.w13[l].copy_(torch.cat([shard(gate, 1, self.etp_rank, self.etp_size),
+                                         shard(up, 1, self.etp_rank, self.etp_size)], dim=1))
+            self.w2[l].copy_(shard(down, 0, self.etp_rank, self.etp_size))
+
+    def forward(self, x_MD: torch.Tensor, tokens_per_expert_L: torch.Tensor, has_tail: bool = False) -> torch.Tensor:
+        """``has_tail``: rows past ``sum(tokens_per_expert)`` exist (dropped or other ranks' copies). grouped_mm
+        leaves them undefined in the output AND in the input gradient, so both ends are masked; the middle needs
+        no mask because grouped_mm never reads tail rows into a group's result or weight gradient."""
+        dtype = _compute_dtype(x_MD)
+        offs_L = tokens_per_expert_L.cumsum(0).to(torch.int32)
+        if has_tail:
+            valid_M1 = (torch.arange(x_MD.shape[0], device=x_MD.device) < offs_L[-1]).unsqueeze(1)
+            x_MD = torch.where(valid_M1, x_MD, 0)
+        h_M2F = grouped_mm(x_MD.to(dtype), self.w13.to(dtype), offs_L)
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        y_MD = grouped_mm(F.silu(gate_MF) * up_MF, self.w2.to(dtype), offs_L)
+        return torch.where(valid_M1, y_MD, 0) if has_tail else y_MD
+
+    def extra_repr(self) -> str:
+        return f"local_experts={self.num_local_experts}, hidden={self.hidden}, ffn={self.ffn} (etp={self.etp_size})"
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP (dense layers and shared experts)."""
+
+    def __init__(self, hidden: int, ffn: int, init_std: float = 0.02, out_std: float = 0.02):
+        super().__init__()
+        self.init_std, self.out_std = init_std, out_std
+        self.w13 = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters_sharded(self, seed: int, name: str) -> None:
+        ffn = self.w2.in_features
+        gate = full_normal((ffn, self.w13.in_features), self.init_std, seed, f"{name}.gate", self.w13.weight.device)
+        up = full_normal((ffn, self.w13.in_features), self.init_std, seed, f"{name}.up", self.w13.weight.device)
+        self.w13.weight.copy_(torch.cat([gate, up], dim=0))
+        fill_normal_(self.w2.weight, self.out_std, seed, f"{name}.down")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)

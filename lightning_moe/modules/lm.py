@@ -1,0 +1,140 @@
+"""MoELanguageModel: the LightningModule. Trains on one device under ``strategy="auto"`` and unchanged under
+``strategy="moe_fold"``, which hands it a ParallelContext before ``configure_model``."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.transformer import MoETransformer
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup from 1/warmup to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class MoELanguageModel(L.LightningModule):
+    """A decoder-only MoE language model.
+
+    Args:
+        config: the model config; or give ``preset`` (and ``overrides``) instead.
+        preset: a ``ModelConfig`` preset name (``tiny``, ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``deepseek-v3``).
+        overrides: fields to override on the preset, e.g. ``{"num_layers": 2}``.
+        lr, weight_decay, betas, eps: AdamW. Norms, biases and the router get no weight decay.
+        warmup_steps, min_lr_ratio, max_steps: linear warmup then cosine decay; ``max_steps`` defaults to the
+            Trainer's estimated stepping batches.
+        seed: weight-initialisation seed; the same seed gives the same full weights on every layout.
+        log_expert_load: log per-layer load (token fraction per expert when E <= 16, imbalance, dropped fraction).
+    """
+
+    def __init__(self, config: Optional[ModelConfig] = None, preset: Optional[str] = None,
+                 overrides: Optional[dict] = None, lr: float = 3e-4, weight_decay: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 100,
+                 min_lr_ratio: float = 0.1, max_steps: Optional[int] = None, seed: int = 1234,
+                 log_expert_load: bool = True):
+        super().__init__()
+        if config is not None and preset is not None:
+            raise ValueError("MoELanguageModel: give either config or preset (with overrides), not both")
+        if config is None:
+            config = ModelConfig.from_preset(preset or "tiny", **(overrides or {}))
+        elif overrides:
+            config = config.replace(**overrides)
+        if warmup_steps < 0 or lr <= 0:
+            raise ValueError(f"MoELanguageModel: need lr > 0 and warmup_steps >= 0, got lr={lr}, "
+                             f"warmup_steps={warmup_steps}")
+        self.config = config
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = vars(config)
+        self.parallel_context: ParallelContext = ParallelContext.single()
+        self.model: Optional[MoETransformer] = None
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        layout = getattr(self.parallel_context, "layout", None)
+        if layout is not None:
+            layout.check_num_experts(self.config.num_experts)
+        self.model = MoETransformer(self.config, self.parallel_context)
+        self.model.init_weights(self.hparams.seed)
+
+    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(tokens_BS)
+
+    def _lm_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_BSV, aux = self.model(batch["input_ids"])
+        lm_loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), batch["labels"].flatten())
+        return lm_loss, aux
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        lm_loss, aux = self._lm_loss(batch)
+        bs = batch["input_ids"].shape[0]
+        # the mean over data-parallel ranks: the same number on every layout (one small all-reduce per step)
+        self.log("train_loss", lm_loss, prog_bar=True, batch_size=bs, sync_dist=True)
+        if self.model.moe_layers():
+            stats = [m.last_stats for m in self.model.moe_layers()]
+            self.log("aux_loss", torch.stack([s["aux_loss"] for s in stats]).sum(), batch_size=bs)
+            self.log("z_loss", torch.stack([s["z_loss"] for s in stats]).sum(), batch_size=bs)
+            if self.hparams.log_expert_load:
+                self.log_dict(self.expert_load_metrics(), batch_size=bs)
+        return lm_loss + aux
+
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        lm_loss, _ = self._lm_loss(batch)
+        self.log("val_loss", lm_loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        return lm_loss
+
+    @torch.no_grad()
+    def expert_load_metrics(self) -> dict[str, torch.Tensor]:
+        """Token fraction per expert (E <= 16), max/mean imbalance and dropped fraction of each MoE layer.
+
+        Counts are this rank's routing decisions; tensors stay on the device (Lightning syncs only when it logs).
+        """
+        out = {}
+        for blk in self.model.layers:
+            if not blk.is_moe:
+                continue
+            s = blk.ffn.last_stats
+            counts_E = s["tokens_per_expert"].float()
+            total = counts_E.sum() + s["num_dropped"]
+            frac_E = counts_E / total.clamp(min=1)
+            out[f"load/layer{blk.layer_idx}/imbalance"] = counts_E.max() / counts_E.mean().clamp(min=1e-9)
+            out[f"load/layer{blk.layer_idx}/dropped"] = s["num_dropped"] / total.clamp(min=1)
+            if counts_E.numel() <= 16:
+                for e in range(counts_E.numel()):
+                    out[f"load/layer{blk.layer_idx}/expert{e}"] = frac_E[e]
+        return out
+
+    # ------------------------------------------------------------------ optimisation
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # once per optimizer step, after every micro-batch of the step ran: aux-loss-free bias update (counts are
+        # all-reduced inside) and the end of the global-aux-loss accumulation window
+        for moe in self.model.moe_layers():
+            moe.router.update_expert_bias()
+            moe.router.reset_global_aux_state()
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim < 2 or "norm" in name or "router" in name else decay).append(p)
+        hp = self.hparams
+        fused = all(p.is_cuda for p in decay + no_decay) or None  # fused AdamW when everything is on CUDA
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused)
+        max_steps = hp.max_steps or int(self.trainer.estimated_stepping_batches)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_cosine(s, hp.warmup_steps, max_steps, hp.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

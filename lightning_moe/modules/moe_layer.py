@@ -1,0 +1,43 @@
+"""The MoE layer: router -> dispatcher -> grouped experts -> dispatcher, plus optional shared experts.
+
+Reads like single-device code; the dispatcher and the expert shards are the parallel pieces swapped in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.dispatcher import build_dispatcher
+from lightning_moe.modules.experts import GroupedExperts, SwiGLU
+from lightning_moe.modules.router import TopKRouter
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
+        super().__init__()
+        self.router = TopKRouter(cfg, ctx)
+        self.dispatcher = build_dispatcher(cfg, ctx)
+        d = self.dispatcher
+        self.experts = GroupedExperts(d.num_local_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size,
+                                      expert_offset=d.local_expert_offset, etp_rank=ctx.rank("etp"),
+                                      etp_size=ctx.etp, init_std=cfg.init_std, out_std=out_std)
+        self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn_size, cfg.init_std, out_std)
+                               if cfg.shared_expert_ffn_size else None)
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the layer output and its auxiliary loss (load balancing + z-loss, coefficients applied)."""
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        route = self.router(x_TD, num_sequences=B)
+        x_MD, tokens_per_local_expert_L, st = self.dispatcher.dispatch(x_TD, route)
+        y_MD = self.experts(x_MD, tokens_per_local_expert_L, has_tail=st.has_tail)
+        y_TD = self.dispatcher.combine(y_MD, st).to(x_BSD.dtype)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        self.last_stats = {"tokens_per_expert": route.tokens_per_expert_E, "num_dropped": route.num_dropped,
+                           "aux_loss": route.aux_loss.detach(), "z_loss": route.z_loss.detach()}
+        return y_TD.view(B, S, D), route.aux_loss + route.z_loss

@@ -1,0 +1,265 @@
+"""Top-k MoE router with Megatron Core's scoring, capacity and load-balancing semantics.
+
+Shape suffixes: T = tokens, D = hidden, E = experts, K = topk, B = sequences, S = sequence length.
+``x_TD`` is (T, D), ``logits_TE`` is (T, E), ``probs_TK`` / ``experts_TK`` are (T, K).
+
+The pure functions keep the dtype of their input promoted to at least float32 (float64 stays float64, so they can be
+checked with ``torch.autograd.gradcheck``). ``TopKRouter`` always routes in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.init import fill_normal_
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+def _fp(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 or wider (bf16/fp16 logits are upcast; float64 is kept for gradcheck)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------------- scoring
+def group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int,
+                       group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's device/node-limited routing: pick ``group_topk`` groups of contiguous experts, then top-k in them.
+
+    A group's score is the sum of its best ``topk // group_topk`` scores (not just its maximum), so a group with
+    several good experts beats one with a single outstanding expert.
+    """
+    T, E = scores_TE.shape
+    scores_TGe = scores_TE.view(T, num_groups, E // num_groups)
+    group_scores_TG = scores_TGe.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    groups_Tg = group_scores_TG.topk(group_topk, dim=-1).indices
+    group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, groups_Tg, True)
+    expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(scores_TGe).reshape(T, E)
+    masked_TE = scores_TE.masked_fill(~expert_mask_TE, float("-inf"))
+    values_TK, indices_TK = masked_TE.topk(topk, dim=-1)
+    return values_TK, indices_TK
+
+
+def _select(scores_TE: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    if cfg.num_groups:
+        return group_limited_topk(scores_TE, cfg.topk, cfg.num_groups, cfg.group_topk)
+    return scores_TE.topk(cfg.topk, dim=-1)
+
+
+def topk_routing(logits_TE: torch.Tensor, cfg: ModelConfig,
+                 expert_bias_E: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``topk_softmax_with_capacity`` scoring without the capacity part. Returns (probs_TK, experts_TK)."""
+    logits_TE = _fp(logits_TE)
+    if cfg.score_function == "softmax":
+        if cfg.pre_softmax:
+            probs_TK, experts_TK = _select(torch.softmax(logits_TE, dim=-1), cfg)
+        else:
+            top_logits_TK, experts_TK = _select(logits_TE, cfg)
+            probs_TK = torch.softmax(top_logits_TK, dim=-1)
+    elif cfg.score_function == "sigmoid":
+        scores_TE = torch.sigmoid(logits_TE)
+        if expert_bias_E is not None:
+            # the bias steers selection only (DeepSeek-V3's aux-loss-free balancing); the gates stay unbiased
+            _, experts_TK = _select(scores_TE + expert_bias_E.to(scores_TE.dtype), cfg)
+            probs_TK = scores_TE.gather(1, experts_TK)
+        else:
+            probs_TK, experts_TK = _select(scores_TE, cfg)
+        if cfg.topk > 1:
+            probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"topk_routing: unknown score_function {cfg.score_function!r}")
+    if cfg.topk_scaling_factor:
+        probs_TK = probs_TK * cfg.topk_scaling_factor
+    return probs_TK, experts_TK
+
+
+# ---------------------------------------------------------------------------------------------------- capacity
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Megatron's ``get_capacity`` applied to the ``num_tokens * topk`` assignments."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def apply_capacity(probs_TK: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, capacity: int,
+                   drop_policy: str) -> torch.Tensor:
+    """Bool keep_TK: at most ``capacity`` assignments per expert survive. Vectorised over experts, no host sync."""
+    T = probs_TK.shape[0]
+    routed_TE = torch.zeros(T, num_experts, dtype=torch.bool, device=experts_TK.device)
+    routed_TE.scatter_(1, experts_TK, True)
+    if drop_policy == "probs":
+        # -inf for unrouted slots so that a routed gate of exactly 0 still outranks them
+        gates_TE = torch.full((T, num_experts), float("-inf"), dtype=probs_TK.dtype, device=probs_TK.device)
+        gates_TE.scatter_(1, experts_TK, probs_TK.detach())
+        best_CE = gates_TE.topk(min(capacity, T), dim=0).indices
+        keep_TE = torch.zeros_like(routed_TE).scatter_(0, best_CE, True) & routed_TE
+    elif drop_policy == "position":
+        keep_TE = routed_TE & (routed_TE.long().cumsum(dim=0) <= capacity)
+    else:
+        raise ValueError(f"apply_capacity: unknown drop_policy {drop_policy!r}")
+    return keep_TE.gather(1, experts_TK)
+
+
+# ---------------------------------------------------------------------------------------------------- losses
+def aux_loss_scores(logits_TE: torch.Tensor, score_function: str, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``compute_routing_scores_for_aux_loss``: (scores_TE, routing_map_TE), no groups and no bias."""
+    logits_TE = _fp(logits_TE)
+    if score_function == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+    elif score_function == "sigmoid":
+        scores_TE = torch.sigmoid(logits_TE)
+        scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"aux_loss_scores: unknown score_function {score_function!r}")
+    experts_TK = scores_TE.topk(topk, dim=-1).indices
+    routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(1, experts_TK, True)
+    return scores_TE, routing_map_TE
+
+
+def switch_load_balancing_loss(scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, total_num_tokens: int,
+                               topk: int, num_experts: int, coeff: float) -> torch.Tensor:
+    """Megatron's ``switch_load_balancing_loss_func``; equals ``coeff`` for a perfectly uniform router."""
+    aggregated_E = scores_TE.sum(dim=0)
+    scale = num_experts * coeff / (topk * total_num_tokens * total_num_tokens)
+    return (aggregated_E * tokens_per_expert_E.to(aggregated_E.dtype)).sum() * scale
+
+
+def z_loss(logits_TE: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE router z-loss: keeps logits small so the softmax stays well conditioned."""
+    return torch.logsumexp(_fp(logits_TE), dim=-1).square().mean() * coeff
+
+
+def updated_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """Megatron's ``get_updated_expert_bias``: raise the bias of under-loaded experts, lower it for over-loaded."""
+    tokens_E = tokens_per_expert_E.to(bias_E.dtype)
+    return bias_E + rate * torch.sign(tokens_E.mean() - tokens_E)
+
+
+# ---------------------------------------------------------------------------------------------------- module
+@dataclass
+class RouterOutput:
+    probs_TK: torch.Tensor  # fp32 gates, 0 where the assignment was dropped
+    experts_TK: torch.Tensor  # int64 expert ids
+    keep_TK: Optional[torch.Tensor]  # bool, None when dropless
+    aux_loss: torch.Tensor  # fp32 scalar, coefficient and parallel scale included
+    z_loss: torch.Tensor  # fp32 scalar
+    tokens_per_expert_E: torch.Tensor  # detached fp32 counts of kept assignments
+    num_dropped: torch.Tensor  # detached fp32 scalar
+
+
+class TopKRouter(nn.Module):
+    """Linear gate (float32, outside autocast) + top-k scoring + optional capacity + load-balancing losses."""
+
+    def __init__(self, cfg: ModelConfig, ctx: Optional[ParallelContext] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ctx = ctx if ctx is not None else ParallelContext.single()
+        E = cfg.num_experts
+        # router weights stay fp32 whatever the precision plugin does: routing decisions are sensitive to rounding
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32))
+        nn.init.normal_(self.weight, mean=0.0, std=cfg.init_std)
+        if cfg.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
+        else:
+            self.register_buffer("expert_bias", None)
+        # counts since the last optimizer step, for the bias update; persistent so a resume mid-accumulation is exact
+        self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=True)
+        if cfg.load_balancing == "global_aux_loss":
+            self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=True)
+            self.register_buffer("global_aux_steps", torch.zeros((), dtype=torch.float32), persistent=True)
+
+    def forward(self, x_TD: torch.Tensor, num_sequences: int) -> RouterOutput:
+        cfg, ctx, E = self.cfg, self.ctx, self.cfg.num_experts
+        x_TD = x_TD.reshape(-1, x_TD.shape[-1])
+        T = x_TD.shape[0]
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        training = self.training and torch.is_grad_enabled()
+
+        zl = logits_TE.new_zeros(())
+        if cfg.z_loss_coeff and training:
+            zl = z_loss(logits_TE, cfg.z_loss_coeff)
+
+        probs_TK, experts_TK = topk_routing(logits_TE, cfg, self.expert_bias)
+        keep_TK = None
+        if cfg.capacity_factor is not None:
+            # pad_to_capacity only fixes the dispatcher's buffer shapes; the kept set is the same either way
+            capacity = expert_capacity(T, E, cfg.topk, cfg.capacity_factor)
+            keep_TK = apply_capacity(probs_TK, experts_TK, E, capacity, cfg.drop_policy)
+            probs_TK = probs_TK * keep_TK
+
+        with torch.no_grad():
+            kept_TK = keep_TK.float() if keep_TK is not None else torch.ones_like(probs_TK, dtype=torch.float32)
+            tokens_per_expert_E = torch.zeros(E, dtype=torch.float32, device=logits_TE.device)
+            tokens_per_expert_E.scatter_add_(0, experts_TK.reshape(-1), kept_TK.reshape(-1))
+            num_dropped = (kept_TK.numel() - kept_TK.sum()).float()
+
+        aux = logits_TE.new_zeros(())
+        if training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0:
+            aux = self._aux_loss(logits_TE, num_sequences)
+
+        if training:
+            with torch.no_grad():
+                self.local_tokens_per_expert += tokens_per_expert_E
+
+        return RouterOutput(probs_TK=probs_TK, experts_TK=experts_TK, keep_TK=keep_TK, aux_loss=aux, z_loss=zl,
+                            tokens_per_expert_E=tokens_per_expert_E, num_dropped=num_dropped)
+
+    def _aux_loss(self, logits_TE: torch.Tensor, num_sequences: int) -> torch.Tensor:
+        # Parallel scale factors: each rank sees only its share of the tokens (1/cp of every sequence, 1/dp of the
+        # batch) but the token counts are all-reduced. The loss over the whole global batch is therefore the SUM of
+        # the per-rank losses over the cp (and, for the global loss, dp) ranks. Gradients get AVERAGED over dp x cp,
+        # so multiplying by the size of the summed-over group makes the averaged gradient equal to that of the loss
+        # computed on the whole global batch by one process.
+        cfg, ctx, E, K = self.cfg, self.ctx, self.cfg.num_experts, self.cfg.topk
+        T = logits_TE.shape[0]
+        coeff = cfg.aux_loss_coeff
+        scores_TE, routing_map_TE = aux_loss_scores(logits_TE, cfg.score_function, K)
+        if cfg.load_balancing == "aux_loss":
+            tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_cp")
+            total = T * ctx.size("tp_cp")
+            return switch_load_balancing_loss(scores_TE, tpe_E, total, K, E, coeff) * ctx.size("cp")
+        if cfg.load_balancing == "seq_aux_loss":
+            if num_sequences <= 0 or T % num_sequences:
+                raise ValueError(f"TopKRouter: seq_aux_loss needs num_sequences ({num_sequences}) to divide the "
+                                 f"number of tokens ({T})")
+            B, S = num_sequences, T // num_sequences
+            tpe_BE = ctx.all_reduce_(routing_map_TE.view(B, S, E).sum(dim=1).float(), "tp_cp")
+            # (S, B*E): each (sequence, expert) pair acts as its own expert in the switch formula, as in Megatron
+            scores_SX = scores_TE.view(B, S, E).transpose(0, 1).reshape(S, B * E)
+            total = S * ctx.size("tp_cp")
+            loss = switch_load_balancing_loss(scores_SX, tpe_BE.reshape(B * E), total, K, E, coeff) / B
+            return loss * ctx.size("cp")
+        if cfg.load_balancing == "global_aux_loss":
+            tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_dp_cp")
+            with torch.no_grad():
+                self.global_tokens_per_expert += tpe_E
+                self.global_aux_steps += 1
+            averaged_E = self.global_tokens_per_expert / self.global_aux_steps
+            total = T * ctx.size("tp_dp_cp")
+            return switch_load_balancing_loss(scores_TE, averaged_E, total, K, E, coeff) * ctx.size("dp_cp")
+        raise ValueError(f"TopKRouter: unknown load_balancing {cfg.load_balancing!r}")
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Call once per optimizer step: nudge the expert bias from the counts since the last step, then reset them."""
+        if self.cfg.expert_bias:
+            counts_E = self.ctx.all_reduce_(self.local_tokens_per_expert.clone(), "tp_dp_cp")
+            self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts_E, self.cfg.bias_update_rate))
+        self.local_tokens_per_expert.zero_()
+
+    @torch.no_grad()
+    @torch.no_grad()
+    def reset_parameters_sharded(self, seed: int, name: str) -> None:
+        """Layout-invariant init (see modules/init.py): the same weight on every rank and every layout."""
+        fill_normal_(self.weight, self.cfg.init_std, seed, f"{name}.weight")
+
+    def reset_global_aux_state(self) -> None:
+        """Start a new averaging window for global_aux_loss (e.g. at the start of each global batch)."""
+        if self.cfg.load_balancing == "global_aux_loss":
+            self.global_tokens_per_expert.zero_()
+            self.global_aux_steps.zero_()

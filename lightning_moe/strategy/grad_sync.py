@@ -1,0 +1,173 @@
+"""Gradient synchronisation and clipping for folded layouts.
+
+Loss semantics: the objective is the mean over the dp x cp ranks of each rank's loss. Hence
+  * dense gradients are summed over dp x cp and scaled by 1/(dp*cp);
+  * expert gradients already hold the contributions of every rank whose tokens reached the expert (through the
+    dispatcher's backward), so they are summed over the expert-data-parallel group and scaled by the same
+    1/(dp*cp) -- not 1/edp, the bug class of Megatron-LM #1628.
+
+Buckets are all-reduced asynchronously as soon as backward has produced all of their gradients (post-accumulate-grad
+hooks), in a fixed order per group so that every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "is_expert", False))
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    group_name: str
+    ready: int = 0
+    buffer: Optional[torch.Tensor] = None
+    handle: Optional[object] = None
+    launched: bool = False
+
+
+@dataclass
+class _GroupState:
+    buckets: list[_Bucket] = field(default_factory=list)
+    next_launch: int = 0
+
+
+class GradSync:
+    def __init__(self, params: Iterable[torch.nn.Parameter], ctx: ParallelContext, bucket_mb: float = 25.0,
+                 overlap: bool = True):
+        self.ctx, self.overlap = ctx, overlap
+        self.scale = 1.0 / (ctx.dp * ctx.cp)
+        self.params = [p for p in params if p.requires_grad]
+        self.groups: dict[str, _GroupState] = {}
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._armed = False
+        self._hooks = []
+        limit = bucket_mb * 2**20
+        by_group: dict[str, list] = {"dp_cp": [], "edp": []}
+        for p in reversed(self.params):  # roughly the order in which backward produces gradients
+            by_group["edp" if is_expert_param(p) else "dp_cp"].append(p)
+        for name, plist in by_group.items():
+            if ctx.size(name) == 1 or not plist:
+                continue
+            state = self.groups[name] = _GroupState()
+            cur, size = [], 0
+            for p in plist:
+                if cur and (size + p.numel() * p.element_size() > limit or p.dtype != cur[0].dtype):
+                    state.buckets.append(_Bucket(cur, name))
+                    cur, size = [], 0
+                cur.append(p)
+                size += p.numel() * p.element_size()
+            if cur:
+                state.buckets.append(_Bucket(cur, name))
+            for b in state.buckets:
+                for p in b.params:
+                    self._bucket_of[id(p)] = b
+                    if overlap:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # ------------------------------------------------------------------ backward-time
+    def arm(self) -> None:
+        """The next backward is the last of this optimizer step: launch buckets as their gradients complete."""
+        self._armed = True
+        for state in self.groups.values():
+            state.next_launch = 0
+            for b in state.buckets:
+                b.ready, b.launched, b.handle, b.buffer = 0, False, None, None
+
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[id(p)]
+        b.ready += 1
+        self._launch_ready(self.groups[b.group_name])
+
+    def _launch_ready(self, state: _GroupState, force: bool = False) -> None:
+        while state.next_launch < len(state.buckets):
+            b = state.buckets[state.next_launch]
+            if not force and b.ready < len(b.params):
+                return
+            self._launch(b)
+            state.next_launch += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        b.buffer = torch.cat([g.reshape(-1) for g in grads])
+        b.handle = dist.all_reduce(b.buffer, group=self.ctx.group(b.group_name), async_op=True)
+        b.launched = True
+
+    # ------------------------------------------------------------------ step-time
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Complete every bucket (launching any not yet launched), write back, and apply the 1/(dp*cp) scale."""
+        for state in self.groups.values():
+            self._launch_ready(state, force=True)
+        for state in self.groups.values():
+            for b in state.buckets:
+                b.handle.wait()
+                offset = 0
+                for p in b.params:
+                    n = p.numel()
+                    p.grad = b.buffer[offset:offset + n].view_as(p)
+                    offset += n
+                b.buffer = b.handle = None
+        if self.scale != 1.0:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.scale)
+        self._armed = False
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+@torch.no_grad()
+def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext,
+                     norm_type: float = 2.0) -> torch.Tensor:
+    """The norm over every distinct parameter of the model, each counted once.
+
+    Dense parameters are replicated over dp x cp (and identical after sync): counted locally. Expert shards differ
+    across the etp x ep group and are replicated over edp: summed over etp_ep.
+    """
+    dense, expert = [], []
+    for p in params:
+        if p.grad is not None:
+            (expert if is_expert_param(p) else dense).append(p.grad)
+    ref = (dense or expert)[0]
+    inf = math.isinf(norm_type)
+
+    def local(gs):
+        if not gs:
+            return torch.zeros((), device=ref.device, dtype=torch.float32)
+        norms = torch.stack([n.float() for n in torch._foreach_norm(gs, norm_type)])
+        return norms.max() if inf else norms.pow(norm_type).sum()
+
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    expert_part = ctx.all_reduce_(local(expert), "etp_ep", op=op)
+    dense_part = local(dense)
+    total = torch.maximum(dense_part, expert_part) if inf else dense_part + expert_part
+    return total if inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_global_(params: Iterable[torch.nn.Parameter], max_norm: float, ctx: ParallelContext,
+                           norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the true global norm. No host sync: the coefficient stays a tensor."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    total = global_grad_norm(params, ctx, norm_type)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.dtype))
+    return total

@@ -1,0 +1,252 @@
+"""MoEFoldStrategy: Lightning strategy for MoE Parallel Folding (attention TPxCPxDPxPP, MoE ETPxEPxEDPxPP).
+
+The strategy owns the process groups (one ParallelContext handed to the LightningModule before
+``configure_model``), data sharding over attention-DP ranks, gradient sync (dense over dp x cp, experts over edp,
+bucketed and overlapped with the last backward of each step) and global-norm gradient clipping.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, is_expert_param
+from lightning_moe.strategy.layout import Layout, build_layout
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+# Parallel dimensions whose code has not landed yet, and the feature each needs.
+_NOT_YET = {
+    "tensor_parallel_size": "tensor parallelism (column/row-parallel layers, sequence parallelism)",
+    "context_parallel_size": "context parallelism (zig-zag sharded attention)",
+    "pipeline_parallel_size": "pipeline parallelism (1F1B / interleaved schedules)",
+}
+
+
+class MoEFoldStrategy(ParallelStrategy):
+    """Train MoE models with attention and MoE layers on separate, folded process groups.
+
+    Args:
+        tensor_parallel_size, context_parallel_size, pipeline_parallel_size: attention layout (DP is derived).
+        expert_parallel_size, expert_tensor_parallel_size: MoE layout (EDP is derived).
+        virtual_pipeline_size: interleaved pipeline chunks per rank.
+        num_microbatches: micro-batches per pipeline step (pipeline schedules only; without PP use the Trainer's
+            ``accumulate_grad_batches``).
+        sequence_parallel: shard activations over TP outside the TP regions (default: on when TP > 1).
+        bucket_size_mb: gradient all-reduce bucket size.
+        overlap_grad_sync: launch bucket all-reduces during the last backward of each step.
+        timeout: seconds (or timedelta) a collective may wait before failing, e.g. when another rank died.
+        process_group_backend: defaults to NCCL on CUDA and gloo on CPU.
+    """
+
+    strategy_name = "moe_fold"
+
+    def __init__(self, tensor_parallel_size: int = 1, context_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
+                 expert_tensor_parallel_size: int = 1, virtual_pipeline_size: Optional[int] = None,
+                 num_microbatches: int = 1, sequence_parallel: Optional[bool] = None, bucket_size_mb: float = 25.0,
+                 overlap_grad_sync: bool = True, timeout: Union[float, timedelta] = 1800.0,
+                 process_group_backend: Optional[str] = None, accelerator=None,
+                 parallel_devices: Optional[list[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
+                 precision_plugin: Optional[Precision] = None) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        sizes = dict(tensor_parallel_size=tensor_parallel_size, context_parallel_size=context_parallel_size,
+                     pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
+                     expert_tensor_parallel_size=expert_tensor_parallel_size, num_microbatches=num_microbatches)
+        for name, v in sizes.items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoEFoldStrategy: {name} must be a positive integer, got {v!r}")
+        for name, feature in _NOT_YET.items():
+            if sizes[name] > 1:
+                raise NotImplementedError(f"MoEFoldStrategy({name}={sizes[name]}) needs {feature}, which has not "
+                                          "landed yet. Only expert parallelism (EP, ETP) folded over data "
+                                          "parallelism is available now.")
+        if virtual_pipeline_size is not None:
+            raise NotImplementedError("MoEFoldStrategy(virtual_pipeline_size=...) needs interleaved pipeline "
+                                      "schedules, which have not landed yet.")
+        if num_microbatches > 1:
+            raise NotImplementedError("MoEFoldStrategy(num_microbatches>1) is for pipeline schedules, which have "
+                                      "not landed yet; use Trainer(accumulate_grad_batches=...) instead.")
+        if sequence_parallel:
+            raise NotImplementedError("MoEFoldStrategy(sequence_parallel=True) needs tensor parallelism, which has "
+                                      "not landed yet.")
+        self.tp, self.cp, self.pp = tensor_parallel_size, context_parallel_size, pipeline_parallel_size
+        self.ep, self.etp, self.vpp = expert_parallel_size, expert_tensor_parallel_size, virtual_pipeline_size
+        self.num_microbatches = num_microbatches
+        self.sequence_parallel = bool(sequence_parallel) if sequence_parallel is not None else self.tp > 1
+        self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._process_group_backend = process_group_backend
+        self.num_nodes = 1
+        self.layout: Optional[Layout] = None
+        self.parallel_context: Optional[ParallelContext] = None
+        self._grad_sync: Optional[GradSync] = None
+
+    # ------------------------------------------------------------------ layout and processes
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # data is sharded over attention-DP ranks only: TP/CP ranks see the same samples
+        ctx = self.parallel_context
+        if ctx is None:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": ctx.dp, "rank": ctx.rank("dp")}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def _make_layout(self, world_size: int) -> Layout:
+        return build_layout(world_size, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # validate the layout now, in the launching process, before any worker or process group exists
+        self._make_layout(self.num_nodes * self.num_processes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self.layout = self._make_layout(self.world_size)  # raises before any process group is created
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self.parallel_context = ParallelContext.from_layout(self.layout, self.global_rank,
+                                                            sequence_parallel=self.sequence_parallel,
+                                                            timeout=self._timeout)
+        # handed to the LightningModule before configure_model (Lightning calls that after setup_environment)
+        assert self.lightning_module is not None
+        self.lightning_module.parallel_context = self.parallel_context
+
+    def setup(self, trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self.model = self.precision_plugin.convert_module(self.model)
+        self._broadcast_parameters()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._grad_sync = GradSync(self.model.parameters(), self.parallel_context, self.bucket_size_mb,
+                                       self.overlap_grad_sync)
+        self.setup_precision_plugin()
+        # global-norm clipping: every parameter counted once across the EP/ETP and DP groups
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @torch.no_grad()
+    def _broadcast_parameters(self) -> None:
+        """Make replicas identical whatever the module's init did (as DDP does): dense params from the first rank
+        of dp x cp, expert shards from the first rank of edp."""
+        ctx = self.parallel_context
+        for p in list(self.model.parameters()) + list(self.model.buffers()):
+            name = "edp" if is_expert_param(p) else "dp_cp"
+            if ctx.size(name) > 1:
+                dist.broadcast(p.data, src=ctx.members[name][0], group=ctx.group(name))
+
+    # ------------------------------------------------------------------ the training step
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        grad_sync = self._grad_sync
+
+        def closure_then_sync():
+            # the closure runs the last micro-batch's forward+backward; buckets launch while backward runs
+            if grad_sync is not None:
+                grad_sync.arm()
+            out = closure()
+            if grad_sync is not None:
+                grad_sync.finish()
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_global_(params, float(clip_val), self.parallel_context)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        obj = [obj]
+        dist.broadcast_object_list(obj, src, group=_group.WORLD)
+        return obj[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, (RuntimeError, dist.DistBackendError)) and _distributed_is_initialized():
+            print(f"[moe_fold rank {self.global_rank}] training failed: {type(exception).__name__}: {exception}\n"
+                  f"  If a collective failed or timed out (timeout={self._timeout.total_seconds():.0f}s), another "
+                  "rank probably died first: look at its log.", file=sys.stderr, flush=True)
+
+    def teardown(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.remove_hooks()
+            self._grad_sync = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls,
+                                       description="MoE Parallel Folding: attention TPxCPxDPxPP, MoE ETPxEPxEDPxPP")

@@ -1,0 +1,54 @@
+"""Spawn N gloo ranks (torchrun-style environment, so Lightning sees externally created processes) and collect
+each rank's result. Results travel as torch files in a temp dir; failures carry the rank's traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0",
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        result = {"ok": True, "value": fn(rank, world, *args)}
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        result = {"ok": False, "error": traceback.format_exc()}
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(fn, world: int, *args, out_dir: str, timeout: float = 600) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return the per-rank values."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    values = []
+    for r in range(world):
+        f = Path(out_dir) / f"rank{r}.pt"
+        if not f.exists():
+            raise AssertionError(f"rank {r} produced no result (exit code {procs[r].exitcode})")
+        res = torch.load(f, weights_only=False)  # our own test output, written just now
+        if not res["ok"]:
+            raise AssertionError(f"rank {r} failed:\n{res['error']}")
+        values.append(res["value"])
+    return values

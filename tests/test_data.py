@@ -1,0 +1,143 @@
+import os
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightning_moe.data import TokenDataModule, default_corpus_path, write_tokens
+
+N = 10000
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    # distinct values (uint16 arange) so every window locates uniquely in the file
+    return write_tokens(str(tmp_path / "tok.bin"), np.arange(N), "uint16")
+
+
+def batches(dm, n, loader="train"):
+    it = iter(dm.train_dataloader() if loader == "train" else dm.val_dataloader())
+    return [next(it) for _ in range(n)]
+
+
+def test_shapes_and_windows(token_file):
+    dm = TokenDataModule(path=token_file, seq_length=16, batch_size=3)
+    data = np.fromfile(token_file, dtype=np.uint16).astype(np.int64)
+    for b in batches(dm, 3) + batches(dm, 2, "val"):
+        x, y = b["input_ids"], b["labels"]
+        assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.long
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row_x, row_y in zip(x, y):
+            s = int(row_x[0])
+            assert np.array_equal(row_x.numpy(), data[s : s + 16]) and np.array_equal(row_y.numpy(), data[s + 1 : s + 17])
+
+
+def test_determinism_and_seed(token_file):
+    a = batches(TokenDataModule(path=token_file, seq_length=8, batch_size=4, seed=1), 3)
+    b = batches(TokenDataModule(path=token_file, seq_length=8, batch_size=4, seed=1), 3)
+    c = batches(TokenDataModule(path=token_file, seq_length=8, batch_size=4, seed=2), 3)
+    assert all(torch.equal(p["input_ids"], q["input_ids"]) for p, q in zip(a, b))
+    assert not all(torch.equal(p["input_ids"], q["input_ids"]) for p, q in zip(a, c))
+    v = batches(TokenDataModule(path=token_file, seq_length=8, batch_size=4, seed=1), 1, "val")[0]
+    assert not torch.equal(v["input_ids"], a[0]["input_ids"])  # val is its own stream
+
+
+@pytest.mark.parametrize("loader", ["train", "val"])
+def test_layout_invariance(token_file, loader):
+    steps = 4
+    ref = TokenDataModule(path=token_file, seq_length=8, batch_size=4, val_batches=steps)
+    ref.set_data_parallel(0, 1)
+    ranks = []
+    for r in range(2):
+        dm = TokenDataModule(path=token_file, seq_length=8, batch_size=2, val_batches=steps)
+        dm.set_data_parallel(r, 2)
+        ranks.append(batches(dm, steps, loader))
+    for g, full in enumerate(batches(ref, steps, loader)):
+        for key in ("input_ids", "labels"):
+            assert torch.equal(torch.cat([ranks[0][g][key], ranks[1][g][key]]), full[key])
+
+
+def test_start_batch_and_epoch(token_file):
+    dm = TokenDataModule(path=token_file, seq_length=8, batch_size=2, train_samples=20)
+    full = batches(dm, 6)
+    loader = dm.train_dataloader()
+    loader.sampler.start_batch = 2
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(list(loader)[:4], full[2:6]))
+    loader = dm.train_dataloader()  # 10 global batches per epoch; epoch 1 continues the stream
+    assert len(loader) == 10
+    loader.sampler.set_epoch(1)
+    first = next(iter(loader))["input_ids"]
+    dm2 = TokenDataModule(path=token_file, seq_length=8, batch_size=2, train_samples=40)
+    assert torch.equal(first, batches(dm2, 11)[10]["input_ids"])
+
+
+def test_default_corpus(tmp_path):
+    p = default_corpus_path(str(tmp_path))
+    arr = np.fromfile(p, dtype=np.uint16)
+    assert 1_000_000 < arr.size <= 8 * 1024 * 1024 and arr.max() < 256
+    mtime = os.stat(p).st_mtime_ns
+    assert default_corpus_path(str(tmp_path)) == p and os.stat(p).st_mtime_ns == mtime
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]
+    dm = TokenDataModule(cache_dir=str(tmp_path), seq_length=32, batch_size=2)
+    assert batches(dm, 1)[0]["input_ids"].shape == (2, 32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"seq_length": 0}, "seq_length"), ({"batch_size": 0}, "batch_size"), ({"batch_size": -3}, "batch_size"),
+     ({"dtype": "int64"}, "dtype"), ({"seq_length": N}, "seq_length")],
+)
+def test_value_errors(token_file, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        TokenDataModule(path=token_file, **kwargs)
+
+
+def test_file_errors(tmp_path, token_file):
+    missing = str(tmp_path / "nope.bin")
+    with pytest.raises(FileNotFoundError, match="nope.bin"):
+        TokenDataModule(path=missing)
+    short = write_tokens(str(tmp_path / "short.bin"), np.arange(5))
+    with pytest.raises(ValueError, match=r"5 tokens.*seq_length \+ 1 = 9"):
+        TokenDataModule(path=short, seq_length=8)
+    with pytest.raises(ValueError, match="rank"):
+        TokenDataModule(path=token_file).set_data_parallel(2, 2)
+
+
+def test_sampler_survives_distributed_lightning(token_file, monkeypatch):
+    # Lightning wraps any non-DistributedSampler when distributed; ours must come back untouched.
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    from lightning.pytorch.trainer.states import RunningStage
+
+    dm = TokenDataModule(path=token_file, seq_length=8, batch_size=2)
+    dm.set_data_parallel(1, 2)
+    loader = dm.train_dataloader()
+    assert isinstance(loader.sampler, DistributedSampler)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    monkeypatch.setattr(_AcceleratorConnector, "is_distributed", property(lambda self: True))
+    assert trainer._data_connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING) is loader
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(N, 8), torch.nn.Linear(8, N)
+
+    def training_step(self, batch, _):
+        logits = self.out(self.emb(batch["input_ids"]))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    validation_step = training_step
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_trainer_fit(token_file):
+    dm = TokenDataModule(path=token_file, seq_length=8, batch_size=2, val_batches=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(TinyLM(), datamodule=dm)
+    assert trainer.global_step == 1
+    assert dm.data_parallel() == (0, 1)
