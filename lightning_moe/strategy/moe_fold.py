@@ -113,6 +113,10 @@ class MoEFoldStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
@@ -159,8 +163,8 @@ class MoEFoldStrategy(ParallelStrategy):
                                                             sequence_parallel=self.sequence_parallel,
                                                             timeout=self._timeout)
         # handed to the LightningModule before configure_model (Lightning calls that after setup_environment)
-        assert self.lightning_module is not None
-        self.lightning_module.parallel_context = self.parallel_context
+        if self.lightning_module is not None:
+            self.lightning_module.parallel_context = self.parallel_context
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None

@@ -27,6 +27,7 @@ class Case:
     ep: int = 1
     etp: int = 1
     model: dict = field(default_factory=dict)
+    accumulate: int = 1  # gradient accumulation on both sides
 
     @property
     def dropping(self) -> bool:
@@ -80,6 +81,7 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH // dp, dp
     else:
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH, 1
+    accumulate *= case.accumulate
     rec = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,

@@ -27,6 +27,8 @@ CASES = [
     Case("ep2_etp2_alltoall", 4, ep=2, etp=2, model=dict(dispatcher="alltoall", **GLOBAL)),
     Case("ep2_etp2_allgather", 4, ep=2, etp=2, model=dict(dispatcher="allgather", **GLOBAL)),
     Case("ep4_alltoall_capacity", 4, ep=4, model=dict(dispatcher="alltoall", **CAP)),
+    Case("ep2_accumulate2_global_aux", 2, ep=2, model=dict(dispatcher="alltoall", **GLOBAL), accumulate=2),
+    Case("ep2_accumulate2_capacity", 2, ep=2, model=dict(dispatcher="allgather", **CAP), accumulate=2),
 ]
 
 # float32 with different reduction orders: ~1e-7 typical; Adam divides by sqrt(v), so parameters get a looser bound

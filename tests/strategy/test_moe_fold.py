@@ -1,0 +1,48 @@
+"""MoEFoldStrategy construction and validation (single process)."""
+
+import lightning as L
+import pytest
+
+import lightning_moe
+from lightning_moe import MoEFoldStrategy
+
+
+def test_registered_by_import():
+    trainer = L.Trainer(strategy="moe_fold", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, MoEFoldStrategy)
+    assert trainer.strategy.is_distributed
+
+
+@pytest.mark.parametrize("kwargs,devices,match", [
+    (dict(expert_parallel_size=3), 2, r"world_size=2 is not divisible by etp\*ep\*pp = 3"),
+    (dict(expert_parallel_size=2, expert_tensor_parallel_size=2), 2, r"etp\*ep\*pp = 4"),
+    (dict(expert_parallel_size=4), 2, "ep=4"),
+])
+def test_impossible_layout_fails_at_trainer_construction(kwargs, devices, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(strategy=MoEFoldStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
+
+
+@pytest.mark.parametrize("kwargs,feature", [
+    (dict(tensor_parallel_size=2), "tensor parallelism"),
+    (dict(context_parallel_size=2), "context parallelism"),
+    (dict(pipeline_parallel_size=2), "pipeline parallelism"),
+    (dict(virtual_pipeline_size=2), "interleaved pipeline"),
+    (dict(num_microbatches=4), "accumulate_grad_batches"),
+    (dict(sequence_parallel=True), "tensor parallelism"),
+])
+def test_not_yet_landed_sizes_raise(kwargs, feature):
+    with pytest.raises(NotImplementedError, match=feature):
+        MoEFoldStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_bad_sizes(bad):
+    with pytest.raises(ValueError, match="expert_parallel_size"):
+        MoEFoldStrategy(expert_parallel_size=bad)
+
+
+def test_public_api():
+    for name in ("MoEFoldStrategy", "MoELanguageModel", "ModelConfig", "ParallelContext", "TokenDataModule",
+                 "TokenDispatcher", "build_layout"):
+        assert hasattr(lightning_moe, name)
