@@ -7,6 +7,7 @@ bucketed and overlapped with the last backward of each step) and global-norm gra
 
 from __future__ import annotations
 
+import shutil
 import sys
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -32,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from lightning_moe.strategy.checkpoint import load_sharded, save_sharded
 from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -214,6 +216,30 @@ class MoEFoldStrategy(ParallelStrategy):
     def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_global_(params, float(clip_val), self.parallel_context)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the model after it is on its device and replicas were broadcast
+
+    def _layout_dict(self) -> dict:
+        lay = self.layout
+        return {k: getattr(lay, k) for k in ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "vpp")}
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
+        """Every rank writes its own shard (expert shards differ per rank); atomic, see strategy/checkpoint.py."""
+        if storage_options is not None:
+            raise TypeError("MoEFoldStrategy.save_checkpoint does not take storage_options")
+        path = self.broadcast(str(filepath))
+        save_sharded(checkpoint, path, self.global_rank, self.world_size, self._layout_dict(), self.barrier)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
+        path = self.broadcast(str(checkpoint_path))
+        return load_sharded(path, self.global_rank, self.world_size, self._layout_dict())
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: Optional[str] = None) -> None:

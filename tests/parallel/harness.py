@@ -32,6 +32,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
 
 def run_ranks(fn, world: int, *args, out_dir: str, timeout: float = 600) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return the per-rank values."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, out_dir, fn, args)) for r in range(world)]

@@ -1,0 +1,94 @@
+"""Sharded checkpoints: a directory with one shard file per rank (its expert shards, optimizer state and Lightning's
+metadata) plus ``meta.json`` describing the layout. Nothing is gathered to one rank.
+
+Saves are atomic: every rank writes into ``<path>.tmp``; only after all shards exist does rank 0 move the directory
+into place, so a crash mid-save leaves the last good checkpoint untouched. Loads use ``torch.load(weights_only=True)``
+(no arbitrary unpickling). Loading needs the layout the checkpoint was written with; resharding across layouts is
+a separate feature (distributed checkpoint with global-shape metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+FORMAT = "lightning_moe.sharded/1"
+META = "meta.json"
+
+
+def shard_name(rank: int) -> str:
+    return f"shard_{rank:05d}.pt"
+
+
+def is_sharded_checkpoint(path) -> bool:
+    return (Path(path) / META).is_file()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dict, barrier: Callable[[str], None]
+                 ) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir(parents=True)
+    barrier("moe_fold.save.begin")
+    shard = tmp / shard_name(rank)
+    with open(shard, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    barrier("moe_fold.save.written")
+    if rank == 0:
+        meta = {"format": FORMAT, "world_size": world_size, "layout": layout,
+                "shards": [shard_name(r) for r in range(world_size)]}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            (path.rename(old) if path.is_dir() else path.replace(old))
+        tmp.rename(path)  # the commit point
+        _fsync_dir(path.parent)
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    barrier("moe_fold.save.done")
+
+
+def load_sharded(path, rank: int, world_size: int, layout: dict) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path} is not a moe_fold sharded checkpoint ({META} is missing: an incomplete save, or a "
+                         "checkpoint written by another strategy)")
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path / META} is unreadable or corrupted: {e}") from e
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT!r})")
+    if meta["world_size"] != world_size or meta["layout"] != layout:
+        diff = {k: (meta["layout"].get(k), v) for k, v in layout.items() if meta["layout"].get(k) != v}
+        raise ValueError(f"{path} was written with world_size={meta['world_size']} and layout {meta['layout']}; "
+                         f"this run has world_size={world_size} (differences saved -> now: {diff}). Loading a "
+                         "sharded checkpoint onto another layout (resharding) is not supported yet.")
+    shard = path / shard_name(rank)
+    if not shard.is_file():
+        raise ValueError(f"{path}: shard {shard.name} of rank {rank} is missing (truncated checkpoint)")
+    try:
+        return torch.load(shard, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(f"{shard} is corrupted or truncated and cannot be loaded: {e}") from e
