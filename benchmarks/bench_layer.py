@@ -30,6 +30,7 @@ import contextlib
 import gc
 import statistics
 import sys
+import traceback
 import warnings
 
 import common  # noqa: F401  (puts the repo root on sys.path)
@@ -168,10 +169,20 @@ def loop_block(x_MD, w13_EDF2, w2_EFD, bounds: list[int]):
     return torch.cat(outs)
 
 
-def host_syncs(fn, device) -> int | None:
-    """How many host<->device synchronisations one call makes (CUDA sync debug mode); None on CPU."""
+def host_syncs(fn, device) -> tuple[int | None, list[str]]:
+    """Host<->device synchronisations in one call (CUDA sync debug mode): their number and the distinct Python
+    lines that triggered them. (None, []) on CPU."""
     if device.type != "cuda":
-        return None
+        return None, []
+    # the first switch into sync-debug mode in a process reports one sync of its own (torch/cuda/__init__.py,
+    # seen on H100 with torch 2.11): an untimed call first, so that only the layer's own syncs are counted
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -179,7 +190,9 @@ def host_syncs(fn, device) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+    return len(syncs), sites
 
 
 def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) -> dict:
@@ -240,7 +253,7 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     t_layer = time_fn(layer_step, device, args.iters, args.warmup, layer_tensors, args.timer)
     t_layer.update(peak_memory(layer_step, device, layer_tensors))
     t_layer["tflops"] = tflops(flops, t_layer["median_ms"])
-    t_layer["host_syncs"] = host_syncs(layer_step, device)
+    t_layer["host_syncs"], t_layer["host_sync_sites"] = host_syncs(layer_step, device)
     rec["layer"] = t_layer
 
     runs = []
@@ -328,7 +341,15 @@ def main(argv=None) -> dict:
     for name in names:
         shape = smoke_shape(SHAPES[name]) if args.smoke else SHAPES[name]
         log(f"{name}: E={shape['E']} h={shape['h']} f={shape['f']} k={shape['k']} T={args.tokens or shape['T']}")
-        rec = bench_shape(name, shape, args, device, dtype, param_mode)
+        try:
+            rec = bench_shape(name, shape, args, device, dtype, param_mode)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: record it and go on with the next shape
+            traceback.print_exc(file=sys.stderr)
+            records.append({"shape": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         log(f"{name}: layer {rec['layer']['median_ms']:.3f} ms ({rec['layer']['tflops']:.1f} TFLOP/s), bare "
             f"{rec['bare']['median_ms']:.3f} ms ({rec['bare']['tflops']:.1f} TFLOP/s), "
             f"ratio {rec['ratio_layer_over_bare']:.3f}")
@@ -339,6 +360,8 @@ def main(argv=None) -> dict:
                          "flops": "expert GEMMs only: 18*rows*h*f per fwd+bwd"},
               "records": records}
     emit(result, args.out)
+    if any("error" in r for r in records):
+        sys.exit(1)
     return result
 
 

@@ -30,8 +30,11 @@ DENSE_BF16_PEAK_TFLOPS = 989.4  # H100/H200 SXM dense bf16 (DESIGN.md: never the
 
 # ------------------------------------------------------------------------------------------------ environment
 def git_commit(root: str = REPO_ROOT) -> Optional[str]:
-    """HEAD's commit, read from ``.git`` directly; ``git rev-parse HEAD`` only as a fallback (skipped when
-    ``LMOE_BENCH_NO_GIT=1``). None when neither works (e.g. a copy without ``.git``)."""
+    """``LMOE_BENCH_COMMIT`` when set (for copies without ``.git``, e.g. a lent GPU machine); else HEAD's commit,
+    read from ``.git`` directly, with ``git rev-parse HEAD`` as a fallback (skipped when ``LMOE_BENCH_NO_GIT=1``).
+    None when nothing works."""
+    if os.environ.get("LMOE_BENCH_COMMIT"):
+        return os.environ["LMOE_BENCH_COMMIT"]
     git_dir = os.path.join(root, ".git")
     try:
         if os.path.isfile(git_dir):  # worktree / submodule: "gitdir: <path>"

@@ -1,13 +1,16 @@
 """lightning-moe: Mixture-of-Experts training for PyTorch Lightning with Megatron-style parallel folding."""
 
+from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
 from lightning_moe.callbacks.loss_report import LossReport
+from lightning_moe.callbacks.throughput import MoEThroughput
 from lightning_moe.data import TokenDataModule
+from lightning_moe.flops import peak_flops, training_flops_per_token
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.dispatcher import DispatchState, TokenDispatcher
 from lightning_moe.modules.lm import MoELanguageModel
 from lightning_moe.modules.transformer import MoETransformer
 from lightning_moe.strategy import Layout, MoEFoldStrategy, ParallelContext, build_layout
 
-__all__ = ["DispatchState", "Layout", "MoEFoldStrategy", "build_layout", "LossReport", "ModelConfig", "MoELanguageModel", "MoETransformer", "ParallelContext",
+__all__ = ["ExpertLoadMonitor", "MoEThroughput", "peak_flops", "training_flops_per_token", "DispatchState", "Layout", "MoEFoldStrategy", "build_layout", "LossReport", "ModelConfig", "MoELanguageModel", "MoETransformer", "ParallelContext",
            "TokenDataModule", "TokenDispatcher"]
 __version__ = "0.1.0"

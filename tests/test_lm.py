@@ -96,6 +96,16 @@ def test_bad_config_names_the_field(make, word):
         make()
 
 
+@pytest.mark.parametrize("kwargs,word", [
+    (dict(num_attention_heads=4, num_kv_heads=0), "num_kv_heads"),
+    (dict(num_attention_heads=4, num_kv_heads=-2), "num_kv_heads"),
+    (dict(head_dim=0), "head_dim"),
+])
+def test_bad_head_shapes_raise_value_error(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        ModelConfig(**kwargs)
+
+
 def test_lm_module_rejects_bad_arguments():
     with pytest.raises(ValueError, match="either config or preset"):
         MoELanguageModel(config=ModelConfig(), preset="tiny")
@@ -279,3 +289,26 @@ def test_expert_bias_updates_and_counts_reset(tmp_path, pattern_file):
         assert steps.abs().max() <= 2 + 1e-4
         assert torch.count_nonzero(r.local_tokens_per_expert) == 0
         assert "expert_bias" in r.state_dict() and "local_tokens_per_expert" in r.state_dict()
+
+
+@pytest.mark.parametrize("how", ["preset", "config"])
+def test_checkpoint_roundtrip_load_from_checkpoint(tmp_path, pattern_file, how):
+    L.seed_everything(0, workers=True)
+    overrides = dict(TRAIN_OVERRIDES, score_function="sigmoid", expert_bias=True)
+    if how == "preset":
+        model = MoELanguageModel(preset="tiny", overrides=overrides, lr=3e-3, warmup_steps=5)
+    else:
+        model = MoELanguageModel(config=ModelConfig.from_preset("tiny", **overrides), lr=3e-3, warmup_steps=5)
+    data = TokenDataModule(path=pattern_file, seq_length=32, batch_size=8, seed=1)
+    trainer = trainer_(tmp_path, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data)
+    ckpt = str(tmp_path / "last.ckpt")
+    trainer.save_checkpoint(ckpt)
+    loaded = MoELanguageModel.load_from_checkpoint(ckpt)
+    assert isinstance(loaded.config, ModelConfig) and loaded.config == model.config
+    ref, got = model.model.state_dict(), loaded.model.state_dict()
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert torch.count_nonzero(loaded.model.moe_layers()[0].router.expert_bias) > 0

@@ -1,0 +1,7 @@
+"""Callbacks: throughput/MFU, expert load, loss report."""
+
+from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
+from lightning_moe.callbacks.loss_report import LossReport
+from lightning_moe.callbacks.throughput import MoEThroughput
+
+__all__ = ["ExpertLoadMonitor", "LossReport", "MoEThroughput"]

@@ -88,6 +88,9 @@ class ModelConfig:
                      "moe_ffn_hidden_size", "ffn_hidden_size", "topk"):
             if getattr(self, name) <= 0:
                 raise bad(name, f"must be positive, got {getattr(self, name)}")
+        for name in ("num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise bad(name, f"must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_kv_heads:
             raise bad("num_kv_heads", f"{self.num_kv_heads} must divide num_attention_heads={self.num_attention_heads}")
         if self.attention_type not in ATTENTION_TYPES:

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.permute import combine_rows, gather_tokens
 from lightning_moe.modules.router import expert_capacity
 from lightning_moe.strategy.parallel_context import ParallelContext
 
@@ -67,7 +68,7 @@ class TokenDispatcher:
         if not self.pad_to_capacity:
             st = DispatchState(T, rank_N.view(T, K), route.probs_TK, route.keep_TK, counts_E,
                                has_tail=route.keep_TK is not None)
-            return x_TD[order_N // K], st
+            return gather_tokens(x_TD, order_N // K, st.rows_TK, route.keep_TK), st
         # pad to capacity: expert e owns rows [e*C, (e+1)*C); empty slots read a zero row, dropped copies read none
         C = expert_capacity(T, E, K, self.cfg.capacity_factor)
         starts_E = counts_E.cumsum(0) - counts_E
@@ -76,9 +77,8 @@ class TokenDispatcher:
         slot_N = torch.where(kept_N, experts_N.clamp(max=E - 1) * C + pos_N, E * C)
         token_N = torch.arange(T * K, device=x_TD.device) // K
         src_S = torch.full((E * C + 1,), T, device=x_TD.device, dtype=torch.int64).scatter_(0, slot_N, token_N)
-        x_pad = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
         st = DispatchState(T, slot_N.view(T, K), route.probs_TK, route.keep_TK, torch.full_like(counts_E, C))
-        return x_pad[src_S[: E * C]], st
+        return gather_tokens(x_TD, src_S[: E * C], st.rows_TK, route.keep_TK, zero_row=True), st
 
     def dispatch_postprocess(self, x_MD: torch.Tensor, st: DispatchState) -> tuple[torch.Tensor, torch.Tensor]:
         return x_MD, st.tokens_per_expert_E
@@ -88,13 +88,7 @@ class TokenDispatcher:
 
     def combine_postprocess(self, y_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:
         """Gather each assignment's expert output and sum over top-k weighted by the router probabilities."""
-        if self.pad_to_capacity:
-            y_ND = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])
-        y_TKD = y_ND[st.rows_TK]
-        if st.keep_TK is not None:  # dropped rows hold undefined memory: zero them, a 0 prob would not hide NaN
-            y_TKD = torch.where(st.keep_TK.unsqueeze(-1), y_TKD, 0)
-        probs_T1K = st.probs_TK.unsqueeze(1).to(y_TKD.dtype)
-        return torch.bmm(probs_T1K, y_TKD).squeeze(1)
+        return combine_rows(y_ND, st.probs_TK, st.rows_TK, st.keep_TK, permutation=not self.pad_to_capacity)
 
     # ------------------------------------------------------------------ communication steps
     def token_dispatch(self, x_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:

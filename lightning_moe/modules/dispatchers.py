@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from lightning_moe.modules.dispatcher import DispatchState, TokenDispatcher
+from lightning_moe.modules.permute import combine_rows, gather_tokens
 from lightning_moe.strategy import comm
 
 
@@ -111,12 +112,10 @@ class AllGatherDispatcher(TokenDispatcher):
         rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(len(order_N), device=x_PTD.device))
         st.extra.update(mine=mine_PTK, rows=rank_N.view(mine_PTK.shape))
         st.has_tail = True
-        return x_PTD[order_N // K], counts_L
+        return gather_tokens(x_PTD, order_N // K, st.extra["rows"], mine_PTK), counts_L
 
     def combine_preprocess(self, y_ND, st):
-        y_PTKD = torch.where(st.extra["mine"].unsqueeze(-1), y_ND[st.extra["rows"]], 0)
-        probs_PT1K = st.extra["probs"].unsqueeze(1).to(y_PTKD.dtype)
-        return torch.bmm(probs_PT1K, y_PTKD).squeeze(1)
+        return combine_rows(y_ND, st.extra["probs"], st.extra["rows"], st.extra["mine"])
 
     def token_combine(self, y_PTD, st):
         return comm.reduce_scatter(y_PTD, self.ctx.group("etp_ep"))

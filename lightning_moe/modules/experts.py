@@ -23,7 +23,10 @@ def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) ->
     """
     aligned = (x_MK.shape[-1] * x_MK.element_size()) % 16 == 0 and (w_LKN.shape[-1] * w_LKN.element_size()) % 16 == 0
     if x_MK.dtype in _GROUPED_MM_DTYPES and aligned:
-        return F.grouped_mm(x_MK, w_LKN, offs=offs_L)
+        y = F.grouped_mm(x_MK, w_LKN, offs=offs_L)
+        if y.requires_grad:  # grouped_mm's backward rejects stride-0 grads (e.g. from .sum()) on CPU
+            y.register_hook(torch.Tensor.contiguous)
+        return y
     rows = torch.arange(x_MK.shape[0], device=x_MK.device)
     group_M = torch.bucketize(rows, offs_L.to(torch.int64), right=True).clamp_(max=w_LKN.shape[0] - 1)
     return torch.bmm(x_MK.unsqueeze(1), w_LKN[group_M]).squeeze(1)

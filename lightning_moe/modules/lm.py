@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -45,6 +46,8 @@ class MoELanguageModel(L.LightningModule):
         super().__init__()
         if config is not None and preset is not None:
             raise ValueError("MoELanguageModel: give either config or preset (with overrides), not both")
+        if isinstance(config, dict):  # as stored in checkpoints' hyper_parameters
+            config = ModelConfig(**config)
         if config is None:
             config = ModelConfig.from_preset(preset or "tiny", **(overrides or {}))
         elif overrides:
@@ -53,8 +56,10 @@ class MoELanguageModel(L.LightningModule):
             raise ValueError(f"MoELanguageModel: need lr > 0 and warmup_steps >= 0, got lr={lr}, "
                              f"warmup_steps={warmup_steps}")
         self.config = config
-        self.save_hyperparameters(ignore=["config"])
-        self.hparams["config"] = vars(config)
+        # the resolved config is stored as a plain dict (loadable with weights_only=True); preset and overrides are
+        # folded into it, so load_from_checkpoint rebuilds exactly this model
+        self.save_hyperparameters(ignore=["config", "preset", "overrides"])
+        self.hparams["config"] = dataclasses.asdict(config)
         self.parallel_context: ParallelContext = ParallelContext.single()
         self.model: Optional[MoETransformer] = None
 
@@ -130,7 +135,14 @@ class MoELanguageModel(L.LightningModule):
                 continue
             (no_decay if p.ndim < 2 or "norm" in name or "router" in name else decay).append(p)
         hp = self.hparams
-        fused = all(p.is_cuda for p in decay + no_decay) or None  # fused AdamW when everything is on CUDA
+        # fused AdamW when everything is on CUDA; Lightning's AMP plugin refuses to clip fused optimizers, which
+        # MoEFoldStrategy lifts for bf16 (no grad scaler), so other strategies with clipping get foreach AdamW
+        from lightning_moe.strategy.moe_fold import MoEFoldStrategy
+        trainer = self._trainer
+        clipping = bool(trainer.gradient_clip_val) if trainer is not None else False
+        clip_ok = (trainer is not None and isinstance(trainer.strategy, MoEFoldStrategy)
+                   and getattr(trainer.precision_plugin, "scaler", None) is None)
+        fused = (all(p.is_cuda for p in decay + no_decay) and (clip_ok or not clipping)) or None
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
                                 lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, fused=fused)

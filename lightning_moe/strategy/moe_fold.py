@@ -8,6 +8,7 @@ bucketed and overlapped with the last backward of each step) and global-norm gra
 from __future__ import annotations
 
 import shutil
+from functools import partial
 import sys
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -181,6 +182,10 @@ class MoEFoldStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         # global-norm clipping: every parameter counted once across the EP/ETP and DP groups
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        if getattr(self.precision_plugin, "scaler", "absent") is None:
+            # bf16 autocast has no grad scaler, so Lightning's refusal to clip with fused optimizers (which unscale
+            # fp16 grads internally) does not apply: clip with the base implementation
+            self.precision_plugin.clip_gradients = partial(Precision.clip_gradients, self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 

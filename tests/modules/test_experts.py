@@ -150,11 +150,6 @@ def test_grouped_experts_float64_matches_loop_and_gradcheck():
     assert torch.autograd.gradcheck(fn_tail, (x_tail, w13, w2), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "torch CPU F.grouped_mm backward rejects a stride-0 (expanded) grad_output, e.g. from y.sum(): "
-    "'Invalid strides/sizes, got [0, 0] for strides'. GroupedExperts(has_tail=False) returns the raw grouped_mm "
-    "output, so its backward inherits the failure; the MoE layer is unaffected (its combine gather materialises "
-    "the gradient)."))
 def test_grouped_experts_backward_with_expanded_grad():
     torch.manual_seed(5)
     m = make_experts(4, 16, 24)

@@ -15,6 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import os
+
+# LMOE_PARITY_ACCELERATOR=gpu runs the same cases over NCCL on GPUs (the reference on GPU 0); CI uses gloo on CPU
+ACCELERATOR = os.environ.get("LMOE_PARITY_ACCELERATOR", "cpu")
 STEPS = 3
 SEQ = 32
 GLOBAL_BATCH = 8
@@ -83,18 +87,19 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH, 1
     accumulate *= case.accumulate
     rec = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
+    trainer = L.Trainer(accelerator=ACCELERATOR, devices=devices, strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[rec], default_root_dir=root, num_sanity_val_steps=0, limit_val_batches=0)
     model = MoELanguageModel(**model_kwargs(case))
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=SEQ, batch_size=bs, seed=3))
-    losses = torch.tensor(rec.losses, dtype=torch.float64)
+    losses = torch.tensor(rec.losses, dtype=torch.float64, device=model.device)
     if parallel:
         dist.all_reduce(losses)  # the objective is the mean over data-parallel ranks
         losses /= dp
-    state = {n: t.detach().clone() for n, t in model.model.state_dict().items()}
-    return {"losses": losses, "grads": rec.grads, "state": state, "ctx": model.parallel_context}
+    state = {n: t.detach().cpu().clone() for n, t in model.model.state_dict().items()}
+    grads = {n: g.cpu() for n, g in rec.grads.items()}
+    return {"losses": losses.cpu(), "grads": grads, "state": state, "ctx": model.parallel_context}
 
 
 def reference_slice(name: str, full: torch.Tensor, ctx, num_experts: int) -> torch.Tensor:

@@ -1,0 +1,275 @@
+"""Full training steps through ``lightning.Trainer(strategy=MoEFoldStrategy())`` on one GPU.
+
+Presets are shrunk in depth and vocabulary to fit one 80 GB GPU with bf16-mixed AdamW, which keeps 16 bytes per
+parameter (fp32 weight, fp32 gradient, two fp32 Adam moments) plus bf16 weight copies and activations:
+
+  preset          layers vocab  batch  params  16 B/param  notes
+  mixtral-8x7b    2      32000  1      3.17 B  47 GiB      --batch 2 probably fits too (~65 GB)
+  qwen3-30b-a3b   4      32768  2      2.63 B  39 GiB      8 layers are 5.1 B params = 76 GiB of weights and
+                                                           optimizer state alone: does not fit 80 GB
+
+Data are random uint16 tokens written with ``lightning_moe.data.write_tokens`` to a temp dir and read through
+``TokenDataModule``, so the router sees no structure (near-uniform load). Step time: CUDA events at every
+``on_train_batch_end`` (per-step GPU times, no sync) and a host clock synchronised at the two ends of the measured
+window (steps after ``--warmup-steps``). TFLOPS/GPU uses Megatron's formula (``lightning_moe.flops`` when present,
+else the local copy below); MFU is against the dense bf16 peak of 989.4 TFLOPS (H100/H200 SXM).
+
+    python benchmarks/bench_model.py                       # both presets, each in its own subprocess
+    python benchmarks/bench_model.py --preset qwen3-30b-a3b --batch 2 --steps 20 --out qwen3.json
+    python benchmarks/bench_model.py --smoke               # tiny CPU float32 run, used by the CPU test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import numpy as np
+import torch
+from common import (DENSE_BF16_PEAK_TFLOPS, elapsed_ms, emit, env_info, log, pick_device, stamp, stdout_to_stderr,
+                    sync)
+
+import lightning as L
+from lightning_moe import MoEFoldStrategy, MoELanguageModel, ModelConfig, TokenDataModule
+from lightning_moe.data import write_tokens
+from lightning_moe.modules.transformer import MoETransformer
+
+# defaults per preset: (layers, vocab, micro-batch); see the module docstring for the memory arithmetic
+PRESET_DEFAULTS = {
+    "mixtral-8x7b": dict(layers=2, vocab=32000, batch=1),
+    "qwen3-30b-a3b": dict(layers=4, vocab=32768, batch=2),
+    "tiny": dict(layers=2, vocab=256, batch=2),
+}
+DEFAULT_PRESETS = "mixtral-8x7b,qwen3-30b-a3b"
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def megatron_flops_per_token(cfg: ModelConfig, s: int) -> float:
+    """Megatron's ``num_floating_point_operations`` per token (GQA attention; DESIGN.md "Performance method"):
+    6·h·g·(f·L_dense + (f_moe·k + f_shared)·L_moe) + 6·L·(h·(q+2kv) + q·h) + 6·L·s·q + 6·h·V, g = 3 (SwiGLU)."""
+    if cfg.attention_type != "gqa":
+        raise ValueError("the local FLOPs formula covers GQA attention only; MLA needs lightning_moe.flops")
+    h, L_, V, g = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, 3
+    L_moe = cfg.num_moe_layers
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    mlp = 6 * h * g * (cfg.ffn_hidden_size * (L_ - L_moe)
+                       + (cfg.moe_ffn_hidden_size * cfg.topk + cfg.shared_expert_ffn_size) * L_moe)
+    attn = 6 * L_ * (h * (q + 2 * kv) + q * h) + 6 * L_ * s * q
+    return float(mlp + attn + 6 * h * V)
+
+
+def flops_per_token(cfg: ModelConfig, s: int) -> tuple[float, str, dict]:
+    local = megatron_flops_per_token(cfg, s) if cfg.attention_type == "gqa" else None
+    try:
+        from lightning_moe.flops import training_flops_per_token
+    except ImportError:
+        training_flops_per_token = None
+    if training_flops_per_token is not None:
+        pkg = float(training_flops_per_token(cfg, s))
+        return pkg, "lightning_moe.flops.training_flops_per_token", {"local_formula": local, "package": pkg}
+    if local is None:
+        raise ImportError("lightning_moe.flops is missing and the local formula covers GQA only")
+    return local, "benchmarks/bench_model.py megatron_flops_per_token", {"local_formula": local, "package": None}
+
+
+def count_params(cfg: ModelConfig) -> dict:
+    """Parameter counts from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for p in model.parameters() if getattr(p, "is_expert", False))
+    active = total - expert + expert * cfg.topk // cfg.num_experts
+    return {"params": total, "expert_params": expert, "active_params": active,
+            "est_weights_grads_adam_gib": total * 16 / 2**30}
+
+
+# ------------------------------------------------------------------------------------------------ timing callback
+class StepTimer(L.Callback):
+    """A stamp after every optimizer step (CUDA events: no sync); host clock synced at the window's two ends."""
+
+    def __init__(self, device: torch.device, warmup_steps: int, max_steps: int):
+        self.device, self.warmup_steps, self.max_steps = device, warmup_steps, max_steps
+        self.stamps, self.losses, self.wall = [], [], {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # mid-accumulation: not an optimizer step
+        self.stamps.append(stamp(self.device))
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.losses.append(loss.detach())
+        step = len(self.stamps)  # optimizer steps done
+        if step in (self.warmup_steps, self.max_steps):
+            sync(self.device)
+            self.wall[step] = time.perf_counter()
+
+    def summary(self) -> dict:
+        sync(self.device)
+        w, n = self.warmup_steps, len(self.stamps)
+        per_step = [elapsed_ms(self.stamps[i - 1], self.stamps[i]) / 1e3 for i in range(max(w, 1), n)]
+        out = {"steps_run": n, "measured_steps": n - w,
+               "step_time_s": (self.wall[n] - self.wall[w]) / (n - w) if n in self.wall and w in self.wall else None,
+               "step_time_median_s": statistics.median(per_step) if per_step else None,
+               "step_time_min_s": min(per_step) if per_step else None,
+               "step_time_max_s": max(per_step) if per_step else None}
+        losses = [float(x) for x in self.losses]
+        out.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
+                   losses_finite=all(math.isfinite(x) for x in losses))
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def run_one(args, preset: str) -> dict:
+    device = pick_device(args.smoke)
+    d = PRESET_DEFAULTS.get(preset, {})
+    layers = args.layers or d.get("layers")
+    vocab = args.vocab or d.get("vocab")
+    batch = args.batch or d.get("batch", 1)
+    seq = args.seq or (64 if args.smoke else 4096)
+    steps = args.steps or (3 if args.smoke else 20)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.smoke else 5)
+    if not 1 <= warmup < steps:
+        raise SystemExit(f"error: need 1 <= --warmup-steps ({warmup}) < --steps ({steps})")
+    overrides = {"seq_length": seq}
+    if layers:
+        overrides["num_layers"] = layers
+    if vocab:
+        overrides["vocab_size"] = vocab
+    cfg = ModelConfig.from_preset(preset, **overrides)
+    if cfg.vocab_size > 65535:
+        raise SystemExit(f"error: vocab {cfg.vocab_size} does not fit the uint16 token file; pass --vocab")
+    fpt, fsrc, fboth = flops_per_token(cfg, seq)
+    counts = count_params(cfg)
+    if device.type == "cuda":
+        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if counts["est_weights_grads_adam_gib"] > 0.9 * total_gib:
+            log(f"warning: weights + grads + AdamW states alone need ~{counts['est_weights_grads_adam_gib']:.1f} "
+                f"GiB of the {total_gib:.1f} GiB on this GPU; expect out-of-memory (use --layers to shrink)")
+    precision = "32-true" if args.smoke else "bf16-mixed"
+    log(f"{preset}: layers={cfg.num_layers} vocab={cfg.vocab_size} seq={seq} batch={batch} steps={steps} "
+        f"params={counts['params'] / 1e9:.2f}B precision={precision}")
+
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    with tempfile.TemporaryDirectory(prefix="lmoe_bench_") as tmp:
+        rng = np.random.default_rng(args.seed)
+        n_tokens = max(2 * (seq + 1), min(4_000_000, 64 * batch * (seq + 1)))
+        path = write_tokens(os.path.join(tmp, "tokens.bin"), rng.integers(0, cfg.vocab_size, n_tokens), "uint16")
+        data = TokenDataModule(path=path, seq_length=seq, batch_size=batch, val_batches=0, num_workers=0,
+                               seed=args.seed)
+        model = MoELanguageModel(config=cfg, lr=args.lr, warmup_steps=min(10, steps), max_steps=steps,
+                                 log_expert_load=False, seed=args.seed)
+        timer = StepTimer(device, warmup, steps)
+        trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
+                            strategy=MoEFoldStrategy(expert_parallel_size=args.ep), precision=precision,
+                            max_steps=steps,
+                            accumulate_grad_batches=args.accumulate,
+                            limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+                            default_root_dir=tmp)
+        if args.compile:
+            log("--compile is a placeholder: the model runs eagerly")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with stdout_to_stderr():
+            trainer.fit(model, datamodule=data)
+        rec = timer.summary()
+        if device.type == "cuda":
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            rec["peak_mem_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        else:
+            rec["peak_mem_gib"] = rec["peak_mem_reserved_gib"] = None
+
+    tokens_per_step = batch * seq * args.accumulate * args.devices  # global: every device is a DP rank
+    st = rec["step_time_s"]
+    tps = tokens_per_step / st if st else None
+    tfl = fpt * tps / 1e12 / args.devices if tps else None  # per GPU
+    rec = {"preset": preset, "num_layers": cfg.num_layers, "num_moe_layers": cfg.num_moe_layers,
+           "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts,
+           "topk": cfg.topk, "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size, "seq_length": seq,
+           "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
+           "precision": precision, "compile": False, "devices": args.devices,
+           "strategy": f"MoEFoldStrategy(expert_parallel_size={args.ep})", **counts,
+           **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
+           "flops_per_token_check": fboth, "tflops_per_gpu": tfl,
+           "mfu": tfl / DENSE_BF16_PEAK_TFLOPS if tfl else None, "mfu_peak_tflops": DENSE_BF16_PEAK_TFLOPS}
+    if rec["step_time_median_s"]:
+        rec["tokens_per_sec_median_step"] = tokens_per_step / rec["step_time_median_s"]
+    return rec
+
+
+def run_in_subprocess(args, preset: str) -> dict:
+    """One preset per process, so that each run starts with an empty GPU and a fresh process group."""
+    with tempfile.TemporaryDirectory(prefix="lmoe_bench_") as tmp:
+        out = os.path.join(tmp, "r.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--preset", preset, "--seed", str(args.seed),
+               "--lr", str(args.lr), "--out", out]
+        for flag, value in (("--layers", args.layers), ("--vocab", args.vocab), ("--seq", args.seq),
+                            ("--batch", args.batch), ("--steps", args.steps), ("--warmup-steps", args.warmup_steps),
+                            ("--accumulate", args.accumulate), ("--devices", args.devices), ("--ep", args.ep)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        cmd += ["--compile"] if args.compile else []
+        cmd += ["--smoke"] if args.smoke else []
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
+        if proc.returncode != 0 or not os.path.isfile(out):
+            return {"preset": preset, "error": f"subprocess exited with {proc.returncode}"}
+        with open(out) as f:
+            return json.load(f)["records"][0]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default=None,
+                   help=f"comma-separated preset names (default {DEFAULT_PRESETS}; 'tiny' with --smoke); "
+                        "several run one after another, each in a subprocess")
+    p.add_argument("--layers", type=int, default=None, help="num_layers (default per preset)")
+    p.add_argument("--vocab", type=int, default=None, help="vocab_size (default per preset; must fit uint16)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 4096; 64 with --smoke)")
+    p.add_argument("--batch", type=int, default=None, help="micro-batch size (default per preset)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20; 3 with --smoke)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="first steps left out of the timing (default 5; 1 with --smoke)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size, folded over the data-parallel ranks")
+    p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
+    p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    presets = [s.strip() for s in (args.preset or ("tiny" if args.smoke else DEFAULT_PRESETS)).split(",")
+               if s.strip()]
+    device = pick_device(args.smoke)
+    if len(presets) == 1:
+        try:
+            records = [run_one(args, presets[0])]
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: still print a JSON record saying so
+            traceback.print_exc(file=sys.stderr)
+            records = [{"preset": presets[0], "error": f"{type(e).__name__}: {str(e)[:500]}"}]
+    else:
+        records = [run_in_subprocess(args, name) for name in presets]
+    result = {"benchmark": "moe_model_training", "env": env_info(device), "smoke": args.smoke,
+              "config": {"mfu_peak_tflops": DENSE_BF16_PEAK_TFLOPS, "data": "random uint16 tokens",
+                         "timing": "host clock synced at the ends of the window after warmup_steps; "
+                                   "per-step CUDA events for median/min/max"},
+              "records": records}
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return result  # the other ranks Lightning launched: rank 0 reports
+    emit(result, args.out)
+    if any("error" in r for r in records):
+        sys.exit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""CPU smoke test of the GPU benchmark scripts: each runs in its --smoke mode (tiny shapes, float32, CPU) as a
+subprocess from the repository root and must print one JSON object with positive, finite numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str, out=None) -> dict:
+    cmd = [sys.executable, os.path.join("benchmarks", script), "--smoke", *args]
+    if out is not None:
+        cmd += ["--out", str(out)]
+    env = dict(os.environ, LMOE_BENCH_NO_GIT="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)  # stdout holds the JSON object and nothing else
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _check_env(res: dict) -> None:
+    env = res["env"]
+    for key in ("device_name", "torch_version", "git_commit", "timestamp_utc"):
+        assert key in env
+    assert env["device_type"] == "cpu" and res["smoke"] is True
+
+
+@pytest.fixture(scope="module")
+def layer_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "layer.json"
+    res = _run("bench_layer.py", "--with-loop", out=out)
+    with open(out) as f:
+        assert json.load(f) == res
+    return res
+
+
+@pytest.fixture(scope="module")
+def model_result():
+    return _run("bench_model.py")
+
+
+def test_bench_layer_smoke(layer_result):
+    res = layer_result
+    assert res["benchmark"] == "moe_layer"
+    _check_env(res)
+    recs = res["records"]
+    assert [r["shape"] for r in recs] == ["mixtral", "qwen3", "olmoe", "deepseek-v3-ep8"]
+    for r in recs:
+        assert "error" not in r, r
+        assert r["finite"] is True and r["routing"] == "balanced"
+        assert r["rows"] == r["T"] * r["k"]
+        assert r["imbalance_max_over_mean"] == pytest.approx(1.0)
+        assert r["expert_gemm_flops"] == pytest.approx(18 * r["rows"] * r["h"] * r["f"])
+        for block in ("layer", "bare"):
+            for key in ("median_ms", "min_ms", "max_ms", "tflops"):
+                assert _positive(r[block][key]), (r["shape"], block, key, r[block][key])
+        assert r["ratio_layer_over_bare"] == pytest.approx(r["bare"]["median_ms"] / r["layer"]["median_ms"])
+        assert r["split_ok"] is True
+        assert set(r["split_ms"]) == {"router", "dispatch", "experts", "combine", "other"}
+        assert all(math.isfinite(v) and v >= 0 for v in r["split_ms"].values())
+        assert sum(r["split_fraction"].values()) == pytest.approx(1.0)
+        assert ("loop" in r) == (r["shape"] == "qwen3")
+    loop = recs[1]["loop"]
+    assert _positive(loop["median_ms"]) and _positive(loop["tflops"])
+    assert loop["grouped_vs_loop_rel_err"] < 1e-4
+
+
+def test_bench_model_smoke(model_result):
+    res = model_result
+    assert res["benchmark"] == "moe_model_training"
+    _check_env(res)
+    (r,) = res["records"]
+    assert "error" not in r, r
+    assert r["preset"] == "tiny" and r["precision"] == "32-true"
+    assert r["steps_run"] == r["steps"] == 3 and r["measured_steps"] == r["steps"] - r["warmup_steps"]
+    for key in ("step_time_s", "step_time_median_s", "tokens_per_sec", "flops_per_token", "tflops_per_gpu", "mfu",
+                "params", "active_params"):
+        assert _positive(r[key]), (key, r[key])
+    assert r["tokens_per_step"] == r["micro_batch_size"] * r["seq_length"]
+    assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
+    assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 989.4)
+    assert r["losses_finite"] is True
+    check = r["flops_per_token_check"]
+    if check["package"] is not None:  # the local Megatron formula agrees with lightning_moe.flops
+        assert check["local_formula"] == pytest.approx(check["package"])
