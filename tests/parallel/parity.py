@@ -93,7 +93,7 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
                         callbacks=[rec], default_root_dir=root, num_sanity_val_steps=0, limit_val_batches=0)
     model = MoELanguageModel(**model_kwargs(case))
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=SEQ, batch_size=bs, seed=3))
-    losses = torch.tensor(rec.losses, dtype=torch.float64, device=model.device)
+    losses = torch.tensor(rec.losses, dtype=torch.float64, device=trainer.strategy.root_device)
     if parallel:
         dist.all_reduce(losses)  # the objective is the mean over data-parallel ranks
         losses /= dp

@@ -36,6 +36,8 @@ if ACCELERATOR == "gpu":  # over NCCL: only the cases this machine has GPUs for
 
 # float32 with different reduction orders: ~1e-7 typical; Adam divides by sqrt(v), so parameters get a looser bound
 TOL = {"loss": 1e-5, "grads": 1e-5, "state": 1e-4}
+if ACCELERATOR == "gpu":  # measured on 2 H200s: params after 3 steps up to 1.4e-4 rel (loss 1e-7, grads 5e-7): the
+    TOL["state"] = 5e-4   # reference uses foreach AdamW, moe_fold fused AdamW, and CUDA reductions reorder sums
 
 
 @pytest.fixture(scope="module")
