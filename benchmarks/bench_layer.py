@@ -201,7 +201,7 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         T = args.tokens
     B = max(1, T // SEQ) if T % SEQ == 0 else 1
     cfg = ModelConfig(hidden_size=h, num_experts=E, moe_ffn_hidden_size=f, topk=k, num_layers=1,
-                      seq_length=T // B, **shape["router"])
+                      seq_length=T // B, compile_router=args.compile_router, **shape["router"])
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -321,6 +321,7 @@ def main(argv=None) -> dict:
                    help="bf16: bf16 weights (router fp32); autocast: fp32 weights under bf16 autocast, as in "
                         "bf16-mixed training (adds the weight casts)")
     p.add_argument("--tokens", type=int, default=None, help="override T for every shape")
+    p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--with-loop", action="store_true", help="also time a per-expert Python loop (qwen3 only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU, 2 iterations")
     p.add_argument("--seed", type=int, default=0)

@@ -93,6 +93,27 @@ def count_params(cfg: ModelConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ timing callback
+class ProfileSteps(L.Callback):
+    """torch.profiler over two optimizer steps after warmup; writes the kernel table (top 30 by CUDA time)."""
+
+    def __init__(self, path: str, start_step: int):
+        self.path, self.start, self.prof = path, start_step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.prof is None and trainer.global_step == self.start:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.prof is not None and trainer.global_step == self.start + 2 and not getattr(self, "done", False):
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.done = True
+            with open(self.path, "w") as f:
+                f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
 class StepTimer(L.Callback):
     """A stamp after every optimizer step (CUDA events: no sync); host clock synced at the window's two ends."""
 
@@ -144,6 +165,8 @@ def run_one(args, preset: str) -> dict:
         overrides["num_layers"] = layers
     if vocab:
         overrides["vocab_size"] = vocab
+    if getattr(args, "compile_router", False):
+        overrides["compile_router"] = True
     cfg = ModelConfig.from_preset(preset, **overrides)
     if cfg.vocab_size > 65535:
         raise SystemExit(f"error: vocab {cfg.vocab_size} does not fit the uint16 token file; pass --vocab")
@@ -179,6 +202,8 @@ def run_one(args, preset: str) -> dict:
             log("--compile is a placeholder: the model runs eagerly")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        prof_cb = [ProfileSteps(args.profile, warmup)] if args.profile else []
+        trainer.callbacks.extend(prof_cb)
         with stdout_to_stderr():
             trainer.fit(model, datamodule=data)
         rec = timer.summary()
@@ -240,6 +265,8 @@ def main(argv=None) -> dict:
                    help="first steps left out of the timing (default 5; 1 with --smoke)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--profile", default=None, help="write a torch.profiler kernel table of 2 steps to this path")
+    p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, folded over the data-parallel ranks")
     p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")

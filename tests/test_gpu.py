@@ -19,7 +19,8 @@ OVR = dict(seq_length=256, hidden_size=256, num_layers=2, num_attention_heads=4,
     dict(score_function="sigmoid", expert_bias=True, load_balancing="seq_aux_loss", num_groups=4, group_topk=2,
          shared_expert_ffn_size=256, first_k_dense=1),
     dict(capacity_factor=1.0, pad_to_capacity=True),
-], ids=["softmax_aux", "global_aux", "dsv3_like", "padded_capacity"])
+    dict(compile_router=True, load_balancing="seq_aux_loss"),
+], ids=["softmax_aux", "global_aux", "dsv3_like", "padded_capacity", "compiled_router"])
 def test_training_step_has_no_host_sync(extra):
     from lightning_moe.modules.lm import MoELanguageModel
     from lightning_moe.strategy.grad_sync import clip_grad_norm_global_
@@ -76,3 +77,25 @@ def test_bf16_mixed_training_loss_falls(tmp_path):
         model = MoELanguageModel(preset="tiny", overrides=OVR, lr=3e-3, warmup_steps=5)
         trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=256, batch_size=4))
         assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2,
+                                            capacity_factor=1.0, load_balancing="seq_aux_loss")])
+def test_compiled_router_matches_eager(extra):
+    from lightning_moe import ModelConfig
+    from lightning_moe.modules.init import init_weights
+    from lightning_moe.modules.router import TopKRouter
+    outs = []
+    for compiled in (False, True):
+        cfg = ModelConfig(hidden_size=256, num_experts=8, topk=2, z_loss_coeff=1e-3, compile_router=compiled, **extra)
+        router = TopKRouter(cfg).cuda()
+        init_weights(router, 3)
+        x = torch.randn(4 * 128, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        r = router(x, num_sequences=4)
+        (r.probs_TK.sum() + r.aux_loss + r.z_loss).backward()
+        outs.append((r.probs_TK.detach(), r.experts_TK, r.aux_loss.detach(), r.z_loss.detach(), router.weight.grad))
+    for a, b in zip(*outs):
+        if a.dtype == torch.int64:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -66,6 +66,7 @@ class ModelConfig:
 
     # --- execution ---
     dispatcher: str = "alltoall"  # "alltoall" | "allgather" | "deepep" | "package.module.ClassName"
+    compile_router: bool = False  # torch.compile the router's scoring math on CUDA (it is launch-bound: ~40 tiny ops)
 
     extra: dict = field(default_factory=dict)  # free-form notes carried by presets
 

@@ -140,6 +140,35 @@ def updated_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------------- module
+def _route_local(logits_TE: torch.Tensor, cfg: ModelConfig, expert_bias_E: Optional[torch.Tensor],
+                 training: bool):
+    """Everything the router computes from its logits without communication: z-loss, top-k, capacity, counts."""
+    T, E = logits_TE.shape
+    zl = z_loss(logits_TE, cfg.z_loss_coeff) if cfg.z_loss_coeff and training else logits_TE.new_zeros(())
+    probs_TK, experts_TK = topk_routing(logits_TE, cfg, expert_bias_E)
+    keep_TK = None
+    if cfg.capacity_factor is not None:
+        # pad_to_capacity only fixes the dispatcher's buffer shapes; the kept set is the same either way
+        capacity = expert_capacity(T, E, cfg.topk, cfg.capacity_factor)
+        keep_TK = apply_capacity(probs_TK, experts_TK, E, capacity, cfg.drop_policy)
+        probs_TK = probs_TK * keep_TK
+    with torch.no_grad():
+        kept_TK = keep_TK.float() if keep_TK is not None else torch.ones_like(probs_TK, dtype=torch.float32)
+        tokens_per_expert_E = torch.zeros(E, dtype=torch.float32, device=logits_TE.device)
+        tokens_per_expert_E.scatter_add_(0, experts_TK.reshape(-1), kept_TK.reshape(-1))
+        num_dropped = (kept_TK.numel() - kept_TK.sum()).float()
+    return probs_TK, experts_TK, keep_TK, zl, tokens_per_expert_E, num_dropped
+
+
+_COMPILED: dict = {}  # a cache of compiled kernels (not parallel state)
+
+
+def _compiled(fn):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
 @dataclass
 class RouterOutput:
     probs_TK: torch.Tensor  # fp32 gates, 0 where the assignment was dropped
@@ -180,23 +209,9 @@ class TopKRouter(nn.Module):
             logits_TE = F.linear(x_TD.float(), self.weight.float())
         training = self.training and torch.is_grad_enabled()
 
-        zl = logits_TE.new_zeros(())
-        if cfg.z_loss_coeff and training:
-            zl = z_loss(logits_TE, cfg.z_loss_coeff)
-
-        probs_TK, experts_TK = topk_routing(logits_TE, cfg, self.expert_bias)
-        keep_TK = None
-        if cfg.capacity_factor is not None:
-            # pad_to_capacity only fixes the dispatcher's buffer shapes; the kept set is the same either way
-            capacity = expert_capacity(T, E, cfg.topk, cfg.capacity_factor)
-            keep_TK = apply_capacity(probs_TK, experts_TK, E, capacity, cfg.drop_policy)
-            probs_TK = probs_TK * keep_TK
-
-        with torch.no_grad():
-            kept_TK = keep_TK.float() if keep_TK is not None else torch.ones_like(probs_TK, dtype=torch.float32)
-            tokens_per_expert_E = torch.zeros(E, dtype=torch.float32, device=logits_TE.device)
-            tokens_per_expert_E.scatter_add_(0, experts_TK.reshape(-1), kept_TK.reshape(-1))
-            num_dropped = (kept_TK.numel() - kept_TK.sum()).float()
+        route = _compiled(_route_local) if cfg.compile_router and logits_TE.is_cuda else _route_local
+        probs_TK, experts_TK, keep_TK, zl, tokens_per_expert_E, num_dropped = route(
+            logits_TE, cfg, self.expert_bias, training)
 
         aux = logits_TE.new_zeros(())
         if training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0:
@@ -218,7 +233,8 @@ class TopKRouter(nn.Module):
         cfg, ctx, E, K = self.cfg, self.ctx, self.cfg.num_experts, self.cfg.topk
         T = logits_TE.shape[0]
         coeff = cfg.aux_loss_coeff
-        scores_TE, routing_map_TE = aux_loss_scores(logits_TE, cfg.score_function, K)
+        scores_fn = _compiled(aux_loss_scores) if cfg.compile_router and logits_TE.is_cuda else aux_loss_scores
+        scores_TE, routing_map_TE = scores_fn(logits_TE, cfg.score_function, K)
         if cfg.load_balancing == "aux_loss":
             tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_cp")
             total = T * ctx.size("tp_cp")
