@@ -169,20 +169,8 @@ def loop_block(x_MD, w13_EDF2, w2_EFD, bounds: list[int]):
     return torch.cat(outs)
 
 
-def host_syncs(fn, device) -> tuple[int | None, list[str]]:
-    """Host<->device synchronisations in one call (CUDA sync debug mode): their number and the distinct Python
-    lines that triggered them. (None, []) on CPU."""
-    if device.type != "cuda":
-        return None, []
-    # the first switch into sync-debug mode in a process reports one sync of its own (torch/cuda/__init__.py,
-    # seen on H100 with torch 2.11): an untimed call first, so that only the layer's own syncs are counted
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+def _under_sync_debug(fn) -> list:
+    """Run fn with CUDA sync debug mode "warn" and return the warnings it raised."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -190,6 +178,18 @@ def host_syncs(fn, device) -> tuple[int | None, list[str]]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    return caught
+
+
+def host_syncs(fn, device) -> tuple[int | None, list[str]]:
+    """Host<->device synchronisations in one call (CUDA sync debug mode): their number and the distinct Python
+    lines that triggered them. (None, []) on CPU."""
+    if device.type != "cuda":
+        return None, []
+    # the first switch into sync-debug mode in a process reports one sync of its own (torch/cuda/__init__.py,
+    # seen on H100 with torch 2.11): an untimed call first, so that only the layer's own syncs are counted
+    _under_sync_debug(fn)
+    caught = _under_sync_debug(fn)
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
     return len(syncs), sites

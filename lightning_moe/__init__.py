@@ -11,6 +11,9 @@ from lightning_moe.modules.lm import MoELanguageModel
 from lightning_moe.modules.transformer import MoETransformer
 from lightning_moe.strategy import Layout, MoEFoldStrategy, ParallelContext, build_layout
 
-__all__ = ["ExpertLoadMonitor", "MoEThroughput", "peak_flops", "training_flops_per_token", "DispatchState", "Layout", "MoEFoldStrategy", "build_layout", "LossReport", "ModelConfig", "MoELanguageModel", "MoETransformer", "ParallelContext",
-           "TokenDataModule", "TokenDispatcher"]
+__all__ = [
+    "build_layout", "DispatchState", "ExpertLoadMonitor", "Layout", "LossReport", "ModelConfig", "MoEFoldStrategy",
+    "MoELanguageModel", "MoEThroughput", "MoETransformer", "ParallelContext", "peak_flops", "TokenDataModule",
+    "TokenDispatcher", "training_flops_per_token"
+]
 __version__ = "0.1.0"

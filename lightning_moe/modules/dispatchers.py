@@ -35,7 +35,6 @@ class AllToAllDispatcher(TokenDispatcher):
             host = torch.cat([counts_PL.sum(1), recv_SL.flatten()]).cpu().tolist()
             send, recv_host = host[:ep], host[ep:]
             kept = sum(send)
-        recv_S = recv_SL.sum(1)
         st.extra.update(send=send, recv_SL=recv_SL, recv_host=recv_host, kept=kept, num_rows=x_ND.shape[0])
         st.has_tail = False  # only kept rows travel
         return x_ND[:kept], st

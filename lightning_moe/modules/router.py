@@ -202,9 +202,8 @@ class TopKRouter(nn.Module):
             self.register_buffer("global_aux_steps", torch.zeros((), dtype=torch.float32), persistent=True)
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int) -> RouterOutput:
-        cfg, ctx, E = self.cfg, self.ctx, self.cfg.num_experts
+        cfg = self.cfg
         x_TD = x_TD.reshape(-1, x_TD.shape[-1])
-        T = x_TD.shape[0]
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.weight.float())
         training = self.training and torch.is_grad_enabled()

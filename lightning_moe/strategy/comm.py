@@ -12,6 +12,10 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -61,7 +65,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty((_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather_tensor(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -96,5 +100,5 @@ def all_gather_nograd(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> to
     if group is None:
         return x
     out = x.new_empty((_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_tensor(out, x.contiguous(), group=group)
     return out

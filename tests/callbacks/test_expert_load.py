@@ -7,7 +7,6 @@ import math
 import types
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,6 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_moe import MoELanguageModel, TokenDataModule
 from lightning_moe.callbacks.expert_load import ExpertLoadMonitor, load_stats
-from lightning_moe.data import write_tokens
 
 SEQ, BATCH, E = 32, 4, 8
 T = SEQ * BATCH  # tokens per micro-batch per layer
@@ -23,19 +21,6 @@ TINY = dict(seq_length=SEQ, hidden_size=32, num_layers=2, num_attention_heads=4,
             moe_ffn_hidden_size=32, num_experts=E, topk=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The model is tiny: one intra-op thread is as fast, and immune to spin-wait slowdowns on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory):
-    tokens = np.random.default_rng(0).integers(0, 256, 20_000)
-    return write_tokens(str(tmp_path_factory.mktemp("tok") / "tok.bin"), tokens, "uint16")
 
 
 def route_all_to_experts_0_and_1(model: MoELanguageModel) -> None:

@@ -5,13 +5,10 @@ from __future__ import annotations
 import time
 
 import lightning as L
-import numpy as np
 import pytest
-import torch
 
 from lightning_moe import MoELanguageModel, TokenDataModule
 from lightning_moe.callbacks.throughput import MoEThroughput
-from lightning_moe.data import write_tokens
 from lightning_moe.flops import training_flops_per_token
 
 SEQ, BATCH = 32, 4
@@ -19,19 +16,6 @@ TINY = dict(seq_length=SEQ, hidden_size=32, num_layers=2, num_attention_heads=4,
             moe_ffn_hidden_size=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The model is tiny: one intra-op thread is as fast, and immune to spin-wait slowdowns on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory):
-    tokens = np.random.default_rng(0).integers(0, 256, 20_000)
-    return write_tokens(str(tmp_path_factory.mktemp("tok") / "tok.bin"), tokens, "uint16")
 
 
 class StepClock(L.Callback):

@@ -32,6 +32,7 @@ class Case:
     etp: int = 1
     model: dict = field(default_factory=dict)
     accumulate: int = 1  # gradient accumulation on both sides
+    strategy: dict = field(default_factory=dict)  # extra MoEFoldStrategy arguments
 
     @property
     def dropping(self) -> bool:
@@ -79,7 +80,8 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     if parallel:
         strategy, devices, bs, accumulate = MoEFoldStrategy(expert_parallel_size=case.ep,
                                                             expert_tensor_parallel_size=case.etp,
-                                                            timeout=120), case.world, GLOBAL_BATCH // dp, 1
+                                                            timeout=120, **case.strategy), case.world, \
+            GLOBAL_BATCH // dp, 1
     elif case.dropping:
         # capacity is per rank (as in Megatron): the reference runs each DP shard as its own micro-batch
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH // dp, dp

@@ -4,7 +4,6 @@ leaves the previous checkpoint intact, corruption and layout changes give clear 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import lightning as L
 import pytest

@@ -29,6 +29,8 @@ CASES = [
     Case("ep4_alltoall_capacity", 4, ep=4, model=dict(dispatcher="alltoall", **CAP)),
     Case("ep2_accumulate2_global_aux", 2, ep=2, model=dict(dispatcher="alltoall", **GLOBAL), accumulate=2),
     Case("ep2_accumulate2_capacity", 2, ep=2, model=dict(dispatcher="allgather", **CAP), accumulate=2),
+    Case("ep2_no_overlap_small_buckets", 2, ep=2, model=dict(dispatcher="alltoall", **GLOBAL),
+         strategy=dict(overlap_grad_sync=False, bucket_size_mb=0.01)),
 ]
 
 if ACCELERATOR == "gpu":  # over NCCL: only the cases this machine has GPUs for
