@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from lightning_moe.modules.dispatcher import DispatchState, TokenDispatcher
-from lightning_moe.modules.permute import combine_rows, gather_tokens
+from lightning_moe.modules.permute import combine_rows, gather_tokens, permute_rows
 from lightning_moe.strategy import comm
 
 
@@ -23,14 +23,15 @@ class AllToAllDispatcher(TokenDispatcher):
         ep, etp, L = self.ctx.ep, self.ctx.etp, self.num_local_experts
         if ep == 1 and etp == 1:
             return x_ND, st
-        # rows each (source rank, local expert) pair exchanges: counts travel first, over EP then ETP
-        counts_PL = st.tokens_per_expert_E.view(ep, L)
-        recv_PL = comm.all_gather_nograd(counts_PL, self.ctx.group("ep")).view(ep, ep, L)[:, self.ctx.rank("ep")]
-        recv_SL = comm.all_gather_nograd(recv_PL, self.ctx.group("etp"))  # S = etp * ep sources, etp-major
-        if self.pad_to_capacity:
-            send, recv_host = [L * int(x_ND.shape[0]) // (ep * L)] * ep, None
-            kept = x_ND.shape[0]
+        if self.pad_to_capacity:  # static splits: every (source, local expert) block is C rows, no exchange
+            C = x_ND.shape[0] // self.num_experts
+            send, recv_host, kept = [L * C] * ep, [C] * (etp * ep * L), x_ND.shape[0]
+            recv_SL = torch.full((etp * ep, L), C, device=x_ND.device, dtype=torch.int64)
         else:
+            # rows each (source rank, local expert) pair exchanges: counts travel first, over EP then ETP
+            counts_PL = st.tokens_per_expert_E.view(ep, L)
+            recv_PL = comm.all_gather_nograd(counts_PL, self.ctx.group("ep")).view(ep, ep, L)[:, self.ctx.rank("ep")]
+            recv_SL = comm.all_gather_nograd(recv_PL, self.ctx.group("etp"))  # S = etp * ep sources, etp-major
             # the one host sync of a dropless step: split sizes for all_to_all_single
             host = torch.cat([counts_PL.sum(1), recv_SL.flatten()]).cpu().tolist()
             send, recv_host = host[:ep], host[ep:]
@@ -44,9 +45,6 @@ class AllToAllDispatcher(TokenDispatcher):
             return x_ND
         ep, etp, L = self.ctx.ep, self.ctx.etp, self.num_local_experts
         rh = st.extra["recv_host"]
-        if rh is None:  # padded: every (source, local expert) block is C rows
-            C = st.extra["num_rows"] // self.num_experts
-            rh = [C] * (etp * ep * L)
         per_src = [sum(rh[s * L:(s + 1) * L]) for s in range(etp * ep)]
         ep_recv = per_src[self.ctx.rank("etp") * ep:(self.ctx.rank("etp") + 1) * ep]
         x_MD = comm.all_to_all(x_ND, ep_recv, st.extra["send"], self.ctx.group("ep"))
@@ -58,21 +56,19 @@ class AllToAllDispatcher(TokenDispatcher):
         if "send" not in st.extra:
             return x_MD, st.tokens_per_expert_E
         # rows arrive grouped by (source, local expert); the experts want them grouped by local expert
-        L, rh = self.num_local_experts, st.extra["rh"]
-        S = len(rh) // L
-        counts_SL = torch.tensor(rh, device=x_MD.device).view(S, L)
-        expert_of_row = torch.repeat_interleave(torch.arange(L, device=x_MD.device).repeat(S), counts_SL.flatten(),
+        L, counts_SL = self.num_local_experts, st.extra["recv_SL"]  # on the device already: no host copy
+        expert_of_row = torch.repeat_interleave(torch.arange(L, device=x_MD.device).repeat(counts_SL.shape[0]),
+                                                counts_SL.flatten(),
                                                 output_size=x_MD.shape[0])
         order_M = torch.argsort(expert_of_row, stable=True)
-        st.extra["order_M"] = order_M
-        return x_MD[order_M], counts_SL.sum(0)
+        inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=x_MD.device))
+        st.extra.update(order_M=order_M, inverse_M=inverse_M)
+        return permute_rows(x_MD, order_M, inverse_M), counts_SL.sum(0)
 
     def combine_preprocess(self, y_MD, st):
         if "send" not in st.extra:
             return y_MD
-        order_M = st.extra["order_M"]
-        inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=y_MD.device))
-        return y_MD[inverse_M]
+        return permute_rows(y_MD, st.extra["inverse_M"], st.extra["order_M"])
 
     def token_combine(self, y_MD, st):
         if "send" not in st.extra:

@@ -99,3 +99,20 @@ def combine_rows(y_ND: torch.Tensor, probs_TK: torch.Tensor, rows_TK: torch.Tens
     ``permutation``: ``rows_TK`` covers every row of ``y_ND`` exactly once (false for padded capacity layouts).
     """
     return _CombineRows.apply(y_ND, probs_TK, rows_TK, keep_TK, permutation)
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MD, order_M, inverse_M):
+        ctx.save_for_backward(inverse_M)
+        return x_MD.index_select(0, order_M)
+
+    @staticmethod
+    def backward(ctx, g_MD):
+        (inverse_M,) = ctx.saved_tensors
+        return g_MD.index_select(0, inverse_M), None, None
+
+
+def permute_rows(x_MD: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Tensor) -> torch.Tensor:
+    """``x_MD[order_M]`` for a permutation whose inverse is given; backward is the inverse gather."""
+    return _PermuteRows.apply(x_MD, order_M, inverse_M)
