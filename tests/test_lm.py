@@ -312,3 +312,25 @@ def test_checkpoint_roundtrip_load_from_checkpoint(tmp_path, pattern_file, how):
     assert ref.keys() == got.keys()
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert torch.count_nonzero(loaded.model.moe_layers()[0].router.expert_bias) > 0
+
+
+def test_config_replace_rederives_head_fields():
+    cfg = ModelConfig().replace(hidden_size=256, num_attention_heads=8)
+    fresh = ModelConfig(hidden_size=256, num_attention_heads=8)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (fresh.num_kv_heads, fresh.head_dim) == (8, 32)
+    assert ModelConfig(num_kv_heads=2).replace(hidden_size=128).num_kv_heads == 2  # explicit values are kept
+
+
+def test_validate_before_fit(tmp_path):
+    """A RoPE cache first built under inference mode (trainer.validate) must not break training afterwards."""
+    import numpy as np
+    tokens = write_tokens(str(tmp_path / "t.bin"), np.arange(5000) % 200, "uint16")
+    model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=16, hidden_size=32, num_layers=1,
+                                                           moe_ffn_hidden_size=32))
+    dm = TokenDataModule(path=tokens, seq_length=16, batch_size=2, val_batches=1)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=str(tmp_path))
+    L.Trainer(**kw).validate(model, dm)
+    trainer = L.Trainer(max_steps=2, limit_val_batches=0, **kw)
+    trainer.fit(model, dm)
+    assert trainer.global_step == 2

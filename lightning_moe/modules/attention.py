@@ -55,7 +55,10 @@ class Attention(nn.Module):
     def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         # cached and grown on demand: not a buffer, so it is never checkpointed or cast by precision plugins
         if self._rope is None or self._rope[0].shape[0] < seq_len or self._rope[0].device != torch.device(device):
-            self._rope = rope_cos_sin(max(seq_len, self.cfg.seq_length), self.head_dim, self.cfg.rope_theta, device)
+            # built outside inference mode: a cache first made by trainer.validate() must still serve training
+            with torch.inference_mode(False), torch.no_grad():
+                self._rope = rope_cos_sin(max(seq_len, self.cfg.seq_length), self.head_dim, self.cfg.rope_theta,
+                                          device)
         cos, sin = self._rope
         return cos[:seq_len], sin[:seq_len]
 

@@ -71,6 +71,8 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # free-form notes carried by presets
 
     def __post_init__(self) -> None:
+        # remembered (not a field) so that replace() re-derives them instead of copying stale values
+        object.__setattr__(self, "_derived", {n for n in ("num_kv_heads", "head_dim") if getattr(self, n) is None})
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -108,6 +110,9 @@ class ModelConfig:
             raise bad("capacity_factor", f"must be > 0 or None (dropless), got {self.capacity_factor}")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise bad("pad_to_capacity", "needs capacity_factor to be set")
+        if self.topk == 1 and self.score_function == "softmax" and not self.pre_softmax:
+            raise bad("pre_softmax", "topk=1 with softmax scoring needs pre_softmax=True (a softmax over one logit is "
+                                     "always 1, so the router would get no gradient), as Megatron requires")
         if self.pre_softmax and self.score_function != "softmax":
             raise bad("pre_softmax", "only applies to score_function='softmax'")
         if (self.num_groups is None) != (self.group_topk is None):
@@ -156,7 +161,7 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def replace(self, **overrides) -> "ModelConfig":
-        return dataclasses.replace(self, **overrides)
+        return dataclasses.replace(self, **{**{n: None for n in self._derived}, **overrides})
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":

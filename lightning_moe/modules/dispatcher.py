@@ -38,7 +38,7 @@ from lightning_moe.strategy.parallel_context import ParallelContext
 class DispatchState:
     """What the combine steps need from the dispatch steps of one forward call."""
     num_tokens: int
-    rows_TK: torch.Tensor  # permuted row of each assignment (padded: its capacity slot, or the zero row E*C)
+    rows_TK: Optional[torch.Tensor]  # permuted row of each assignment (padded: its capacity slot, or the zero row E*C)
     probs_TK: torch.Tensor
     keep_TK: Optional[torch.Tensor]
     tokens_per_expert_E: torch.Tensor  # rows per global expert in permuted order (kept, or C each when padded)
@@ -50,6 +50,11 @@ class TokenDispatcher:
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
         self.cfg, self.ctx = cfg, ctx
         self.num_experts, self.topk = cfg.num_experts, cfg.topk
+        if cfg.num_experts % ctx.ep:
+            raise ValueError(f"num_experts={cfg.num_experts} is not divisible by expert_parallel_size ep={ctx.ep}")
+        if cfg.moe_ffn_hidden_size % ctx.etp:
+            raise ValueError(f"moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} is not divisible by "
+                             f"expert_tensor_parallel_size etp={ctx.etp}")
         self.num_local_experts = cfg.num_experts // ctx.ep
         self.local_expert_offset = ctx.rank("ep") * self.num_local_experts
         self.pad_to_capacity = cfg.pad_to_capacity

@@ -49,7 +49,7 @@ class AllToAllDispatcher(TokenDispatcher):
         ep_recv = per_src[self.ctx.rank("etp") * ep:(self.ctx.rank("etp") + 1) * ep]
         x_MD = comm.all_to_all(x_ND, ep_recv, st.extra["send"], self.ctx.group("ep"))
         etp_sizes = [sum(per_src[j * ep:(j + 1) * ep]) for j in range(etp)]
-        st.extra.update(rh=rh, ep_recv=ep_recv, etp_sizes=etp_sizes)
+        st.extra.update(ep_recv=ep_recv, etp_sizes=etp_sizes)
         return comm.all_gather_v(x_MD, etp_sizes, self.ctx.group("etp"))
 
     def dispatch_postprocess(self, x_MD, st):
@@ -81,9 +81,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
 class AllGatherDispatcher(TokenDispatcher):
     def dispatch_preprocess(self, x_TD, route):
-        st = DispatchState(x_TD.shape[0], route.experts_TK, route.probs_TK, route.keep_TK,
-                           route.tokens_per_expert_E)  # rows_TK is filled in by dispatch_postprocess
-        st.extra["experts_TK"] = route.experts_TK
+        st = DispatchState(x_TD.shape[0], None, route.probs_TK, route.keep_TK, route.tokens_per_expert_E)
+        st.extra["experts_TK"] = route.experts_TK  # rows are known only after the gather
         return x_TD, st
 
     def token_dispatch(self, x_TD, st):

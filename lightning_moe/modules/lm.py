@@ -90,9 +90,14 @@ class MoELanguageModel(L.LightningModule):
             stats = [m.last_stats for m in self.model.moe_layers()]
             self.log("aux_loss", torch.stack([s["aux_loss"] for s in stats]).sum(), batch_size=bs)
             self.log("z_loss", torch.stack([s["z_loss"] for s in stats]).sum(), batch_size=bs)
-            if self.hparams.log_expert_load:
+            if self.hparams.log_expert_load and self._writes_logs_now():
                 self.log_dict(self.expert_load_metrics(), batch_size=bs)
         return lm_loss + aux
+
+    def _writes_logs_now(self) -> bool:
+        # per-layer load is (2 + E) scalars per MoE layer: compute and log them only when Lightning writes logs
+        t = self._trainer
+        return t is None or (t.global_step + 1) % max(1, t.log_every_n_steps) == 0 or t.global_step == 0
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         lm_loss, _ = self._lm_loss(batch)
@@ -103,21 +108,19 @@ class MoELanguageModel(L.LightningModule):
     def expert_load_metrics(self) -> dict[str, torch.Tensor]:
         """Token fraction per expert (E <= 16), max/mean imbalance and dropped fraction of each MoE layer.
 
-        Counts are this rank's routing decisions; tensors stay on the device (Lightning syncs only when it logs).
+        Counts are this rank's routing decisions (ExpertLoadMonitor gives global ones); tensors stay on the device.
         """
+        from lightning_moe.callbacks.expert_load import load_stats
+        blocks = [blk for blk in self.model.layers if blk.is_moe]
+        stats = load_stats(torch.stack([blk.ffn.last_stats["tokens_per_expert"] for blk in blocks]),
+                           torch.stack([blk.ffn.last_stats["num_dropped"] for blk in blocks]))
         out = {}
-        for blk in self.model.layers:
-            if not blk.is_moe:
-                continue
-            s = blk.ffn.last_stats
-            counts_E = s["tokens_per_expert"].float()
-            total = counts_E.sum() + s["num_dropped"]
-            frac_E = counts_E / total.clamp(min=1)
-            out[f"load/layer{blk.layer_idx}/imbalance"] = counts_E.max() / counts_E.mean().clamp(min=1e-9)
-            out[f"load/layer{blk.layer_idx}/dropped"] = s["num_dropped"] / total.clamp(min=1)
-            if counts_E.numel() <= 16:
-                for e in range(counts_E.numel()):
-                    out[f"load/layer{blk.layer_idx}/expert{e}"] = frac_E[e]
+        for i, blk in enumerate(blocks):
+            out[f"load/layer{blk.layer_idx}/imbalance"] = stats["imbalance"][i]
+            out[f"load/layer{blk.layer_idx}/dropped"] = stats["dropped"][i]
+            if stats["fraction"].shape[1] <= 16:
+                for e in range(stats["fraction"].shape[1]):
+                    out[f"load/layer{blk.layer_idx}/expert{e}"] = stats["fraction"][i, e]
         return out
 
     # ------------------------------------------------------------------ optimisation

@@ -267,7 +267,18 @@ class TopKRouter(nn.Module):
             self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts_E, self.cfg.bias_update_rate))
         self.local_tokens_per_expert.zero_()
 
-    @torch.no_grad()
+    def _apply(self, fn, recurse=True):
+        # Router weights, logits, bias and counters are fp32 by design: module.to(bf16) (e.g. precision="bf16-true")
+        # may move them but not lower their precision (a bf16 counter stops counting at 256)
+        super()._apply(fn, recurse)
+        for name, t in list(self._parameters.items()) + list(self._buffers.items()):
+            if t is not None and t.dtype in (torch.bfloat16, torch.float16):  # float64 (gradcheck) stays
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.float()
+                else:
+                    self._buffers[name] = t.float()
+        return self
+
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:
         """Layout-invariant init (see modules/init.py): the same weight on every rank and every layout."""

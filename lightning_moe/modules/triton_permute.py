@@ -71,8 +71,8 @@ def combine_fwd(y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: Optional[to
     out = torch.empty(T, D, device=y_ND.device, dtype=out_dtype)
     BLOCK_D = _block(D)
     _combine_fwd_kernel[(T, triton.cdiv(D, BLOCK_D))](
-        y_ND.contiguous(), rows_TK.contiguous(), probs_TK if probs_TK is not None else rows_TK,
-        keep_TK if keep_TK is not None else rows_TK, out, D, K=K, HAS_PROBS=probs_TK is not None,
+        y_ND.contiguous(), rows_TK.contiguous(), probs_TK.contiguous() if probs_TK is not None else rows_TK,
+        keep_TK.contiguous() if keep_TK is not None else rows_TK, out, D, K=K, HAS_PROBS=probs_TK is not None,
         HAS_KEEP=keep_TK is not None, BLOCK_D=BLOCK_D, num_warps=4)
     return out
 
@@ -86,6 +86,6 @@ def combine_bwd(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, p
         torch.zeros(N + 1, D, device=y_ND.device, dtype=y_ND.dtype)
     gp = torch.empty(T, K, device=y_ND.device, dtype=torch.float32)
     _combine_bwd_kernel[(T,)](g_TD.contiguous(), y_ND.contiguous(), rows_TK.contiguous(), probs_TK.contiguous(),
-                              keep_TK if keep_TK is not None else rows_TK, gy, gp, D, K=K,
+                              keep_TK.contiguous() if keep_TK is not None else rows_TK, gy, gp, D, K=K,
                               HAS_KEEP=keep_TK is not None, BLOCK_D=_block(D), num_warps=4)
     return gy[:N], gp

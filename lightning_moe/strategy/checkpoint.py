@@ -42,6 +42,7 @@ def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dic
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
+        _recover(path)  # a previous save that died between its two renames
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
     barrier("moe_fold.save.begin")
@@ -54,7 +55,10 @@ def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dic
     if rank == 0:
         meta = {"format": FORMAT, "world_size": world_size, "layout": layout,
                 "shards": [shard_name(r) for r in range(world_size)]}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
+        with open(tmp / META, "w") as f:
+            f.write(json.dumps(meta, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
         _fsync_dir(tmp)
         old = path.with_name(path.name + ".old")
         if path.exists():
@@ -67,8 +71,24 @@ def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dic
     barrier("moe_fold.save.done")
 
 
+def _recover(path: Path) -> None:
+    """If a save died after moving the old checkpoint aside but before moving the new one in, finish or undo it:
+    a complete ``.tmp`` (its meta.json is written last) becomes the checkpoint, else the ``.old`` one returns."""
+    if path.exists():
+        return
+    for candidate in (path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")):
+        if is_sharded_checkpoint(candidate):
+            candidate.rename(path)
+            return
+
+
 def load_sharded(path, rank: int, world_size: int, layout: dict) -> dict:
     path = Path(path)
+    if not path.exists() and (is_sharded_checkpoint(path.with_name(path.name + ".tmp"))
+                              or is_sharded_checkpoint(path.with_name(path.name + ".old"))):
+        raise FileNotFoundError(f"checkpoint not found: {path}, but a save was interrupted between its final renames: "
+                                f"start training once more (it recovers the checkpoint) or rename {path.name}.tmp "
+                                f"(complete) or {path.name}.old (previous) to {path.name}")
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if not is_sharded_checkpoint(path):

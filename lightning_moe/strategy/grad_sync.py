@@ -33,7 +33,7 @@ class _Bucket:
     ready: int = 0
     buffer: Optional[torch.Tensor] = None
     handle: Optional[object] = None
-    launched: bool = False
+    had_grad: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -82,7 +82,7 @@ class GradSync:
         for state in self.groups.values():
             state.next_launch = 0
             for b in state.buckets:
-                b.ready, b.launched, b.handle, b.buffer = 0, False, None, None
+                b.ready, b.handle, b.buffer = 0, None, None
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if not self._armed:
@@ -100,10 +100,11 @@ class GradSync:
             state.next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
+        # unused params (no grad) join with zeros so every rank issues the same collective; finish() restores None
+        b.had_grad = [p.grad is not None for p in b.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.buffer = torch.cat([g.reshape(-1) for g in grads])
         b.handle = dist.all_reduce(b.buffer, group=self.ctx.group(b.group_name), async_op=True)
-        b.launched = True
 
     # ------------------------------------------------------------------ step-time
     @torch.no_grad()
@@ -115,9 +116,9 @@ class GradSync:
             for b in state.buckets:
                 b.handle.wait()
                 offset = 0
-                for p in b.params:
+                for p, had_grad in zip(b.params, b.had_grad):
                     n = p.numel()
-                    p.grad = b.buffer[offset:offset + n].view_as(p)
+                    p.grad = b.buffer[offset:offset + n].view_as(p) if had_grad else None
                     offset += n
                 b.buffer = b.handle = None
         if self.scale != 1.0:

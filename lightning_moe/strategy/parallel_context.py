@@ -39,7 +39,7 @@ class ParallelContext:
     @classmethod
     def from_layout(cls, layout, rank: int, sequence_parallel: bool = False, timeout=None) -> "ParallelContext":
         """Create every process group of both layouts (collective: all ranks call this in the same order)."""
-        groups, members = {}, {}
+        groups, members, made = {}, {}, {}
         for name in GROUP_NAMES:
             all_groups = [list(g) for g in layout.groups[name]]
             mine = list(layout.group_of(name, rank))
@@ -50,9 +50,11 @@ class ParallelContext:
             kwargs = {"timeout": timeout} if timeout is not None else {}
             # new_group is collective over the world: every rank creates every group, keeping its own
             for ranks in all_groups:
-                pg = dist.new_group(ranks, **kwargs)
+                key = tuple(ranks)
+                if key not in made:  # kinds with the same ranks (e.g. dp, dp_cp, ep when folded) share one
+                    made[key] = dist.new_group(ranks, **kwargs)
                 if rank in ranks:
-                    groups[name] = pg
+                    groups[name] = made[key]
         return cls(world_size=layout.world_size, global_rank=rank,
                    sizes={n: len(members[n]) for n in GROUP_NAMES},
                    ranks={n: layout.rank_in(n, rank) for n in GROUP_NAMES},

@@ -306,3 +306,15 @@ def test_dropless_single_rank_path_makes_no_host_sync(monkeypatch):
     assert calls == []
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert layer.experts.w13.grad is not None and layer.router.weight.grad is not None
+
+
+@pytest.mark.parametrize("sizes,match", [({"ep": 3}, "num_experts=8 is not divisible by expert_parallel_size ep=3"),
+                                         ({"etp": 3}, "moe_ffn_hidden_size=32 is not divisible by "
+                                                      "expert_tensor_parallel_size etp=3")])
+def test_dispatcher_rejects_shards_that_do_not_divide(sizes, match):
+    from lightning_moe import ModelConfig, ParallelContext
+    from lightning_moe.modules.dispatcher import build_dispatcher
+    ctx = ParallelContext.single()
+    ctx.sizes.update(sizes)
+    with pytest.raises(ValueError, match=match):
+        build_dispatcher(ModelConfig(num_experts=8, moe_ffn_hidden_size=32), ctx)

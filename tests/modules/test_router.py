@@ -268,7 +268,7 @@ def test_aux_loss_hand_numbers():
     # scores [1/4, 3/4] for both tokens; both route to e1: counts [0, 2]; total 2
     # loss = (0.5*0 + 1.5*2) * E=2 * c / (K=1 * 2^2) = 1.5 c
     c = 0.1
-    r = identity_router(cfg_(num_experts=2, topk=1, aux_loss_coeff=c))
+    r = identity_router(cfg_(num_experts=2, topk=1, pre_softmax=True, aux_loss_coeff=c))
     out = r(torch.tensor([[0.0, math.log(3)], [0.0, math.log(3)]]), num_sequences=1)
     torch.testing.assert_close(out.aux_loss, torch.tensor(1.5 * c))
     assert out.aux_loss.dtype == torch.float32
@@ -292,8 +292,8 @@ def test_seq_aux_loss_hand_numbers():
     # alone has scores [.25,.75] (or reversed) and count 1 on its top expert: 0.75 * 2 * c / 1 = 1.5 c; mean 1.5 c
     c = 0.1
     x = torch.tensor([[0.0, math.log(3)], [math.log(3), 0.0]])
-    seq = identity_router(cfg_(num_experts=2, topk=1, aux_loss_coeff=c, load_balancing="seq_aux_loss"))(x, 2)
-    glob = identity_router(cfg_(num_experts=2, topk=1, aux_loss_coeff=c))(x, 2)
+    seq = identity_router(cfg_(num_experts=2, topk=1, pre_softmax=True, aux_loss_coeff=c, load_balancing="seq_aux_loss"))(x, 2)
+    glob = identity_router(cfg_(num_experts=2, topk=1, pre_softmax=True, aux_loss_coeff=c))(x, 2)
     torch.testing.assert_close(seq.aux_loss, torch.tensor(1.5 * c))
     torch.testing.assert_close(glob.aux_loss, torch.tensor(c))
 
@@ -358,9 +358,9 @@ def test_z_loss_hand_numbers():
     lse = [math.log(math.e + math.e ** 2), math.log(2.0)]
     expected = (lse[0] ** 2 + lse[1] ** 2) / 2 * 0.1
     torch.testing.assert_close(z_loss(logits, 0.1).item(), expected, rtol=1e-6, atol=0)
-    r = identity_router(cfg_(num_experts=2, topk=1, z_loss_coeff=0.1, load_balancing="none"))
+    r = identity_router(cfg_(num_experts=2, topk=1, pre_softmax=True, z_loss_coeff=0.1, load_balancing="none"))
     torch.testing.assert_close(r(logits, 1).z_loss.item(), expected, rtol=1e-6, atol=0)
-    assert identity_router(cfg_(num_experts=2, topk=1))(logits, 1).z_loss.item() == 0.0  # no coefficient
+    assert identity_router(cfg_(num_experts=2, topk=1, pre_softmax=True))(logits, 1).z_loss.item() == 0.0  # no coefficient
 
 
 def test_switch_loss_is_coeff_when_balanced():
@@ -395,7 +395,7 @@ def test_expert_bias_update_cycle():
     # the bias now steers a near-tie: logits 0.01 (e0) vs 0 (e1): sig diff ~0.0025 < bias diff 0.02
     assert r(torch.tensor([[0.01, 0.0, -5.0, -5.0]]), 1).experts_TK.tolist() == [[1]]
     # without expert_bias the counts are still zeroed by the step hook
-    r2 = identity_router(cfg_(num_experts=4, topk=1, load_balancing="none"))
+    r2 = identity_router(cfg_(num_experts=4, topk=1, pre_softmax=True, load_balancing="none"))
     r2(x, 1)
     r2.update_expert_bias()
     assert r2.local_tokens_per_expert.tolist() == [0.0] * 4 and r2.expert_bias is None
@@ -462,3 +462,22 @@ def test_weight_fp32_and_autocast_keeps_router_in_fp32():
 def test_bad_config(kwargs, word):
     with pytest.raises(ValueError, match=word):
         ModelConfig(**kwargs)
+
+
+def test_router_state_stays_fp32_under_module_casts():
+    """precision="bf16-true" calls module.to(bf16): the router must keep fp32 weights, bias and counters."""
+    router = TopKRouter(ModelConfig(hidden_size=16, num_experts=4, topk=2, score_function="sigmoid",
+                                    expert_bias=True, load_balancing="global_aux_loss")).to(torch.bfloat16)
+    for name, t in list(router.named_parameters()) + list(router.named_buffers()):
+        assert t.dtype == torch.float32, name
+    for _ in range(300):  # a bf16 counter would stop at 256
+        router.global_aux_steps += 1
+    assert router.global_aux_steps.item() == 300
+    assert router.double().weight.dtype == torch.float64  # higher precision (gradcheck) is allowed
+
+
+def test_topk1_softmax_needs_pre_softmax():
+    with pytest.raises(ValueError, match="pre_softmax"):
+        ModelConfig(num_experts=4, topk=1)
+    ModelConfig(num_experts=4, topk=1, pre_softmax=True)
+    ModelConfig(num_experts=4, topk=1, score_function="sigmoid")

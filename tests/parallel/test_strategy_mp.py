@@ -70,7 +70,7 @@ def _train(rank, world, tokens, root, model_kwargs, ep, die_at=None, timeout=30.
 
 def test_bad_num_experts_fails_before_training(tmp_path):
     tokens = make_tokens(str(tmp_path / "t.bin"))
-    res = run_ranks(_train, 2, tokens, str(tmp_path / "r"), dict(num_experts=3, topk=1), 2, out_dir=str(tmp_path))
+    res = run_ranks(_train, 2, tokens, str(tmp_path / "r"), dict(num_experts=3, topk=1, pre_softmax=True), 2, out_dir=str(tmp_path))
     for r in res:
         assert r["error"] and "num_experts=3" in r["error"] and "ep=2" in r["error"], r
 
