@@ -4,7 +4,7 @@ Weak scaling: each rank routes T tokens over E experts; EP=1 holds all E experts
 split with CUDA events around the dispatcher's steps: local permute + count exchange + host sync of split sizes
 (dispatch_preprocess), the token all-to-all (token_dispatch / token_combine), experts, and the rest.
 
-    python benchmarks/bench_ep.py --ep 2 --shape qwen3 --out ep.json
+    python benchmarks/bench_ep.py --ep 2 --shape qwen3 [--dispatcher alltoall_dedup] --out ep.json
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch.multiprocessing as mp
 SHAPES = {"qwen3": dict(E=128, h=2048, f=768, k=8, T=16384), "mixtral": dict(E=8, h=4096, f=14336, k=2, T=8192)}
 
 
-def _layer(shape, ctx):
+def _layer(shape, ctx, dispatcher):
     from lightning_moe import ModelConfig
     from lightning_moe.modules.init import init_weights
     from lightning_moe.modules.moe_layer import MoELayer
     cfg = ModelConfig(hidden_size=shape["h"], num_experts=shape["E"], moe_ffn_hidden_size=shape["f"], topk=shape["k"],
-                      dispatcher="alltoall", aux_loss_coeff=1e-3)
+                      dispatcher=dispatcher, aux_loss_coeff=1e-3)
     layer = MoELayer(cfg, ctx, 0.02).cuda()
     init_weights(layer, 0)
     layer.experts.to(torch.bfloat16)
@@ -64,7 +64,7 @@ def _timed(layer, x, iters, split):
     return out
 
 
-def worker(rank, world, shape_name, iters, out_path):
+def worker(rank, world, shape_name, iters, out_path, dispatcher="alltoall"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -75,7 +75,7 @@ def worker(rank, world, shape_name, iters, out_path):
     x = torch.randn(shape["T"] // 4096, 4096, shape["h"], device="cuda", dtype=torch.bfloat16, generator=gen)
     res = {"rank": rank}
     for label, c in (("ep1", ParallelContext.single()), (f"ep{world}", ctx)):
-        layer = _layer(shape, c)
+        layer = _layer(shape, c, dispatcher)
         plain = _timed(layer, x, iters, split=False)
         split = _timed(layer, x, max(3, iters // 2), split=True)
         counts = layer.last_stats["tokens_per_expert"].float()
@@ -90,7 +90,7 @@ def worker(rank, world, shape_name, iters, out_path):
     dist.all_gather_object(gathered, res)
     if rank == 0:
         import json
-        text = json.dumps({"benchmark": "moe_layer_ep", "shape": shape_name, **SHAPES[shape_name], "world": world,
+        text = json.dumps({"benchmark": "moe_layer_ep", "shape": shape_name, "dispatcher": dispatcher, **SHAPES[shape_name], "world": world,
                            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ranks": gathered},
                           indent=1)
         print(text)
@@ -106,8 +106,9 @@ def main():
     p.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "alltoall_dedup", "allgather"))
     a = p.parse_args()
-    mp.spawn(worker, args=(a.ep, a.shape, a.iters, a.out), nprocs=a.ep)
+    mp.spawn(worker, args=(a.ep, a.shape, a.iters, a.out, a.dispatcher), nprocs=a.ep)
 
 
 if __name__ == "__main__":

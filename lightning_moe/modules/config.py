@@ -12,7 +12,7 @@ from typing import Literal, Optional, Union
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
-BUILTIN_DISPATCHERS = ("alltoall", "allgather", "deepep")
+BUILTIN_DISPATCHERS = ("alltoall", "alltoall_dedup", "allgather", "deepep")
 ATTENTION_TYPES = ("gqa", "mla")
 
 

@@ -125,9 +125,10 @@ def build_dispatcher(cfg: ModelConfig, ctx: ParallelContext) -> TokenDispatcher:
             raise ImportError("dispatcher='deepep' needs the DeepEP package (deep_ep), built from source; "
                               "the PyPI package 'deep-ep' is not DeepEP. Use 'alltoall' instead.") from e
         raise NotImplementedError("dispatcher='deepep' is not implemented yet; use 'alltoall'")
-    if name in ("alltoall", "allgather"):
+    if name in ("alltoall", "alltoall_dedup", "allgather"):
         from lightning_moe.modules import dispatchers
-        cls = dispatchers.AllToAllDispatcher if name == "alltoall" else dispatchers.AllGatherDispatcher
+        cls = {"alltoall": dispatchers.AllToAllDispatcher, "alltoall_dedup": dispatchers.AllToAllDedupDispatcher,
+               "allgather": dispatchers.AllGatherDispatcher}[name]
     else:
         module_name, _, cls_name = name.rpartition(".")
         try:

@@ -29,6 +29,10 @@ CASES = [
     Case("ep4_alltoall_capacity", 4, ep=4, model=dict(dispatcher="alltoall", **CAP)),
     Case("ep2_accumulate2_global_aux", 2, ep=2, model=dict(dispatcher="alltoall", **GLOBAL), accumulate=2),
     Case("ep2_accumulate2_capacity", 2, ep=2, model=dict(dispatcher="allgather", **CAP), accumulate=2),
+    Case("ep2_dedup_dropless", 2, ep=2, model=dict(dispatcher="alltoall_dedup", **GLOBAL)),
+    Case("ep2_dedup_capacity", 2, ep=2, model=dict(dispatcher="alltoall_dedup", **CAP)),
+    Case("ep4_dedup", 4, ep=4, model=dict(dispatcher="alltoall_dedup", **GLOBAL)),
+    Case("ep2_etp2_dedup", 4, ep=2, etp=2, model=dict(dispatcher="alltoall_dedup", **GLOBAL)),
     Case("ep2_no_overlap_small_buckets", 2, ep=2, model=dict(dispatcher="alltoall", **GLOBAL),
          strategy=dict(overlap_grad_sync=False, bucket_size_mb=0.01)),
 ]
