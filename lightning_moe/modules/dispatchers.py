@@ -134,13 +134,17 @@ class AllToAllDedupDispatcher(TokenDispatcher):
         T, K = route.experts_TK.shape
         keep_TK = route.keep_TK if route.keep_TK is not None else torch.ones_like(route.experts_TK, dtype=torch.bool)
         dest_TK = route.experts_TK // L
-        pair_TP = ((dest_TK.unsqueeze(-1) == torch.arange(ep, device=x_TD.device)) & keep_TK.unsqueeze(-1)).any(1)
-        send_P = pair_TP.sum(0)
-        recv_P = comm.all_to_all(send_P, [1] * ep, [1] * ep, self.ctx.group("ep"))
-        recv_JP = comm.all_gather_nograd(recv_P, self.ctx.group("etp")).view(etp, ep)
-        # the one host sync: split sizes for the all-to-all and the ETP gather
-        host = torch.cat([send_P, recv_JP.flatten()]).cpu().tolist()
-        send, recv_JP_host = host[:ep], [host[ep + j * ep:ep + (j + 1) * ep] for j in range(etp)]
+        slot_TKP = (dest_TK.unsqueeze(-1) == torch.arange(ep, device=x_TD.device)) & keep_TK.unsqueeze(-1)
+        pair_TP = slot_TKP.any(1)
+        # per destination: rows (distinct tokens) and slots (expert copies), exchanged together
+        send_P2 = torch.stack([pair_TP.sum(0), slot_TKP.sum((0, 1))], dim=1)
+        recv_P2 = comm.all_to_all(send_P2, [1] * ep, [1] * ep, self.ctx.group("ep"))
+        recv_JP2 = comm.all_gather_nograd(recv_P2, self.ctx.group("etp")).view(etp, ep, 2)
+        # the one host sync: split sizes for the all-to-all and the ETP gather, and the receiver's slot count
+        host = torch.cat([send_P2[:, 0], recv_JP2.flatten()]).cpu().tolist()
+        send, recv_JP2_host = host[:ep], host[ep:]
+        recv_JP_host = [recv_JP2_host[j * 2 * ep:(j + 1) * 2 * ep:2] for j in range(etp)]
+        local_slots = sum(recv_JP2_host[1::2])  # slots for this rank's experts, over every source of the group
         n = sum(send)
         # rows in (destination, token) order; rows_TP[t, p] = row of pair (t, p), or the spare index n if absent
         key_PT = torch.where(pair_TP.t(), torch.arange(ep * T, device=x_TD.device).view(ep, T), ep * T)
@@ -152,7 +156,7 @@ class AllToAllDedupDispatcher(TokenDispatcher):
         on_dest_nK = (dest_TK[tok_n] == dest_n.unsqueeze(1)) & keep_TK[tok_n]
         slots_nK = torch.where(on_dest_nK, route.experts_TK[tok_n] - dest_n.unsqueeze(1) * L, -1)
         st = DispatchState(T, rows_TP, route.probs_TK, pair_TP, route.tokens_per_expert_E)
-        st.extra.update(dedup=True, send=send, recv_JP=recv_JP_host, n=n, slots=slots_nK,
+        st.extra.update(dedup=True, send=send, recv_JP=recv_JP_host, n=n, slots=slots_nK, local_slots=local_slots,
                         probs=route.probs_TK.index_select(0, tok_n))
         return gather_tokens(x_TD, tok_n, rows_TP, pair_TP), st
 
@@ -171,8 +175,9 @@ class AllToAllDedupDispatcher(TokenDispatcher):
     def dispatch_postprocess(self, x_rD, st):
         if not st.extra.get("dedup"):
             return super().dispatch_postprocess(x_rD, st)
-        # the receiver's local permute: every row's slots into local-expert order, other ranks' slots last
-        L, slots_rK = self.num_local_experts, st.extra["slots_rK"]
+        # the receiver's local permute: the slots of its rows that belong here, in local-expert order; the count M
+        # came with the split sizes, so the expert input has exactly M rows (no tail of other ranks' slots)
+        L, slots_rK, M = self.num_local_experts, st.extra["slots_rK"], st.extra["local_slots"]
         R, K = slots_rK.shape
         mine_rK = slots_rK >= 0
         key_N = torch.where(mine_rK, slots_rK, L).reshape(-1)
@@ -180,15 +185,17 @@ class AllToAllDedupDispatcher(TokenDispatcher):
             0, key_N, torch.ones_like(key_N))[:L]
         order_N = torch.argsort(key_N, stable=True)
         rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(R * K, device=x_rD.device))
-        st.extra.update(rows_rK=rank_N.view(R, K), mine_rK=mine_rK)
-        st.has_tail = True
-        return gather_tokens(x_rD, order_N // K, st.extra["rows_rK"], mine_rK), counts_L
+        rows_rK = torch.where(mine_rK, rank_N.view(R, K), M)  # other ranks' slots point at the spare row M
+        st.extra.update(rows_rK=rows_rK, mine_rK=mine_rK)
+        st.has_tail = False
+        return gather_tokens(x_rD, order_N[:M] // K, rows_rK, mine_rK), counts_L
 
     def combine_preprocess(self, y_ND, st):
         if not st.extra.get("dedup"):
             return y_ND
         e = st.extra
-        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"])  # one partial output per row
+        # one partial output per row; rows_rK does not cover M exactly once (spare row M), hence permutation=False
+        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"], permutation=False)
 
     def token_combine(self, y_rD, st):
         if not st.extra.get("dedup"):
