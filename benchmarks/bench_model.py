@@ -1,12 +1,14 @@
 """Full training steps through ``lightning.Trainer(strategy=MoEFoldStrategy())`` on one GPU.
 
-Presets are shrunk in depth and vocabulary to fit one 80 GB GPU with bf16-mixed AdamW, which keeps 16 bytes per
-parameter (fp32 weight, fp32 gradient, two fp32 Adam moments) plus bf16 weight copies and activations:
+Precision: ``bf16-true`` with the strategy's fp32 main params (default; Megatron's ``--bf16``: bf16 weights, fp32 main
+grads, fp32 main weights and Adam moments in the optimizer = 18 bytes per parameter) or ``bf16-mixed`` (autocast over
+fp32 weights = 16 bytes per parameter, plus bf16 weight copies re-cast in every micro-batch). Presets are shrunk in
+depth and vocabulary to fit one 80 GB GPU:
 
-  preset          layers vocab  batch  params  16 B/param  notes
-  mixtral-8x7b    2      32000  1      3.17 B  47 GiB      --batch 2 probably fits too (~65 GB)
-  qwen3-30b-a3b   4      32768  2      2.63 B  39 GiB      8 layers are 5.1 B params = 76 GiB of weights and
-                                                           optimizer state alone: does not fit 80 GB
+  preset          layers vocab  batch  params  18 B/param  notes
+  mixtral-8x7b    2      32000  1      3.17 B  53 GiB
+  qwen3-30b-a3b   4      32768  2      2.63 B  44 GiB      8 layers are 5.1 B params = 86 GiB of weights, grads
+                                                           and optimizer state alone: does not fit 80 GB
 
 Data are random uint16 tokens written with ``lightning_moe.data.write_tokens`` to a temp dir and read through
 ``TokenDataModule``, so the router sees no structure (near-uniform load). Step time: CUDA events at every
@@ -177,7 +179,7 @@ def run_one(args, preset: str) -> dict:
         if counts["est_weights_grads_adam_gib"] > 0.9 * total_gib:
             log(f"warning: weights + grads + AdamW states alone need ~{counts['est_weights_grads_adam_gib']:.1f} "
                 f"GiB of the {total_gib:.1f} GiB on this GPU; expect out-of-memory (use --layers to shrink)")
-    precision = "32-true" if args.smoke else "bf16-mixed"
+    precision = "32-true" if args.smoke else args.precision
     log(f"{preset}: layers={cfg.num_layers} vocab={cfg.vocab_size} seq={seq} batch={batch} steps={steps} "
         f"params={counts['params'] / 1e9:.2f}B precision={precision}")
 
@@ -221,7 +223,8 @@ def run_one(args, preset: str) -> dict:
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts,
            "topk": cfg.topk, "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size, "seq_length": seq,
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
-           "precision": precision, "compile": False, "devices": args.devices,
+           "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None,
+           "compile": False, "devices": args.devices,
            "strategy": f"MoEFoldStrategy(expert_parallel_size={args.ep})", **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
            "flops_per_token_check": fboth, "tflops_per_gpu": tfl,
@@ -239,7 +242,8 @@ def run_in_subprocess(args, preset: str) -> dict:
                "--lr", str(args.lr), "--out", out]
         for flag, value in (("--layers", args.layers), ("--vocab", args.vocab), ("--seq", args.seq),
                             ("--batch", args.batch), ("--steps", args.steps), ("--warmup-steps", args.warmup_steps),
-                            ("--accumulate", args.accumulate), ("--devices", args.devices), ("--ep", args.ep)):
+                            ("--accumulate", args.accumulate), ("--devices", args.devices), ("--ep", args.ep),
+                            ("--precision", args.precision)):
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--compile"] if args.compile else []
@@ -265,6 +269,9 @@ def main(argv=None) -> dict:
                    help="first steps left out of the timing (default 5; 1 with --smoke)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--precision", default="bf16-true", choices=["bf16-true", "bf16-mixed"],
+                   help="bf16-true: bf16 weights with fp32 main grads/params (MoEFoldStrategy's default for bf16 "
+                        "weights); bf16-mixed: autocast over fp32 weights")
     p.add_argument("--profile", default=None, help="write a torch.profiler kernel table of 2 steps to this path")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")

@@ -55,6 +55,48 @@ def test_training_step_has_no_host_sync(extra):
     assert torch.isfinite(loss).item()
 
 
+def test_bf16_main_params_step_has_no_host_sync():
+    # the bf16-true path of MoEFoldStrategy: fp32 main-grad accumulation hooks, global-norm clip on the main grads,
+    # fused AdamW on the fp32 main params, write-back to the bf16 weights
+    from lightning_moe.modules.lm import MoELanguageModel
+    from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_
+    from lightning_moe.strategy.main_params import MainParams
+    lm = MoELanguageModel(preset="tiny", overrides=OVR)
+    lm.configure_model()
+    model = lm.model.cuda().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    main = MainParams([opt])
+    sync = GradSync(model.parameters(), lm.parallel_context, main_grads=True)
+    tokens = torch.randint(0, 512, (4, 257), device="cuda")
+
+    def step():
+        for i in range(2):  # two micro-batches
+            if i == 1:
+                sync.arm()
+            logits, aux = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
+            loss.backward()
+        sync.finish()
+        main.attach_grads(sync.had_main_grad)
+        clip_grad_norm_global_(main.main_params, 1.0, lm.parallel_context)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        main.copy_to_model()
+        return loss
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
+    w = model.layers[1].ffn.experts.w13
+    assert torch.equal(w, main.main_of(w).bfloat16())
+
+
 def test_bf16_mixed_training_loss_falls(tmp_path):
     import numpy as np
 
@@ -69,14 +111,19 @@ def test_bf16_mixed_training_loss_falls(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
 
-    for strategy in ("auto", MoEFoldStrategy()):
+    # bf16-true under moe_fold: bf16 weights with fp32 main grads and params (MainParams)
+    for strategy, precision in (("auto", "bf16-mixed"), (MoEFoldStrategy(), "bf16-mixed"),
+                                (MoEFoldStrategy(), "bf16-true")):
         losses.clear()
-        trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=40,
+        trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=40,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Rec()],
                             limit_val_batches=0, gradient_clip_val=1.0)
         model = MoELanguageModel(preset="tiny", overrides=OVR, lr=3e-3, warmup_steps=5)
         trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=256, batch_size=4))
-        assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+        assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, (precision, losses)
+        if precision == "bf16-true":
+            assert trainer.strategy._main_params is not None
+            assert all(p.dtype == torch.float32 for g in trainer.optimizers[0].param_groups for p in g["params"])
 
 
 @pytest.mark.parametrize("extra", [dict(), dict(score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2,

@@ -105,8 +105,12 @@ def apply_capacity(probs_TK: torch.Tensor, experts_TK: torch.Tensor, num_experts
 
 
 # ---------------------------------------------------------------------------------------------------- losses
-def aux_loss_scores(logits_TE: torch.Tensor, score_function: str, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Megatron's ``compute_routing_scores_for_aux_loss``: (scores_TE, routing_map_TE), no groups and no bias."""
+def aux_loss_scores(logits_TE: torch.Tensor, score_function: str, topk: int,
+                    experts_TK: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``compute_routing_scores_for_aux_loss``: (scores_TE, routing_map_TE), no groups and no bias.
+
+    ``experts_TK``: the router's own top-k when it selected on the same ranking (no groups, no bias); it saves a
+    second top-k over T x E (scores are a monotonic function of the logits)."""
     logits_TE = _fp(logits_TE)
     if score_function == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -115,7 +119,8 @@ def aux_loss_scores(logits_TE: torch.Tensor, score_function: str, topk: int) -> 
         scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"aux_loss_scores: unknown score_function {score_function!r}")
-    experts_TK = scores_TE.topk(topk, dim=-1).indices
+    if experts_TK is None:
+        experts_TK = scores_TE.topk(topk, dim=-1).indices
     routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(1, experts_TK, True)
     return scores_TE, routing_map_TE
 
@@ -214,7 +219,8 @@ class TopKRouter(nn.Module):
 
         aux = logits_TE.new_zeros(())
         if training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0:
-            aux = self._aux_loss(logits_TE, num_sequences)
+            same_ranking = not cfg.num_groups and self.expert_bias is None
+            aux = self._aux_loss(logits_TE, num_sequences, experts_TK if same_ranking else None)
 
         if training:
             with torch.no_grad():
@@ -223,7 +229,8 @@ class TopKRouter(nn.Module):
         return RouterOutput(probs_TK=probs_TK, experts_TK=experts_TK, keep_TK=keep_TK, aux_loss=aux, z_loss=zl,
                             tokens_per_expert_E=tokens_per_expert_E, num_dropped=num_dropped)
 
-    def _aux_loss(self, logits_TE: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    def _aux_loss(self, logits_TE: torch.Tensor, num_sequences: int,
+                  experts_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
         # Parallel scale factors: each rank sees only its share of the tokens (1/cp of every sequence, 1/dp of the
         # batch) but the token counts are all-reduced. The loss over the whole global batch is therefore the SUM of
         # the per-rank losses over the cp (and, for the global loss, dp) ranks. Gradients get AVERAGED over dp x cp,
@@ -233,7 +240,7 @@ class TopKRouter(nn.Module):
         T = logits_TE.shape[0]
         coeff = cfg.aux_loss_coeff
         scores_fn = _compiled(aux_loss_scores) if cfg.compile_router and logits_TE.is_cuda else aux_loss_scores
-        scores_TE, routing_map_TE = scores_fn(logits_TE, cfg.score_function, K)
+        scores_TE, routing_map_TE = scores_fn(logits_TE, cfg.score_function, K, experts_TK)
         if cfg.load_balancing == "aux_loss":
             tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_cp")
             total = T * ctx.size("tp_cp")

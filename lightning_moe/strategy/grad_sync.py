@@ -8,6 +8,10 @@ Loss semantics: the objective is the mean over the dp x cp ranks of each rank's 
 
 Buckets are all-reduced asynchronously as soon as backward has produced all of their gradients (post-accumulate-grad
 hooks), in a fixed order per group so that every rank issues the same collectives in the same order.
+
+With ``main_grads=True`` (bf16 parameters, Megatron's mixed precision) every parameter gets ``p.main_grad``, an fp32
+view into its bucket's flat buffer. Each micro-batch's low-precision gradient is accumulated there and ``p.grad`` is
+freed at once, so accumulation is in fp32 and the all-reduce runs in place on the flat buffer (no concatenation).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ def is_expert_param(p: torch.Tensor) -> bool:
 class _Bucket:
     params: list[torch.nn.Parameter]
     group_name: str
+    reduce: bool = True  # False when the group has one rank: the bucket only holds main grads
     ready: int = 0
-    buffer: Optional[torch.Tensor] = None
+    buffer: Optional[torch.Tensor] = None  # fp32 flat main grads (main_grads mode) or a per-step concatenation
     handle: Optional[object] = None
     had_grad: list[bool] = field(default_factory=list)
 
@@ -44,35 +49,46 @@ class _GroupState:
 
 class GradSync:
     def __init__(self, params: Iterable[torch.nn.Parameter], ctx: ParallelContext, bucket_mb: float = 25.0,
-                 overlap: bool = True):
-        self.ctx, self.overlap = ctx, overlap
+                 overlap: bool = True, main_grads: bool = False):
+        self.ctx, self.overlap, self.main_grads = ctx, overlap, main_grads
         self.scale = 1.0 / (ctx.dp * ctx.cp)
         self.params = [p for p in params if p.requires_grad]
         self.groups: dict[str, _GroupState] = {}
         self._bucket_of: dict[int, _Bucket] = {}
         self._armed = False
         self._hooks = []
+        self._seen: set[int] = set()  # params that received a gradient since the last finish() (main_grads mode)
+        self.had_main_grad: set[int] = set()  # the same set, frozen by finish() for the optimizer step
         limit = bucket_mb * 2**20
         by_group: dict[str, list] = {"dp_cp": [], "edp": []}
         for p in reversed(self.params):  # roughly the order in which backward produces gradients
             by_group["edp" if is_expert_param(p) else "dp_cp"].append(p)
         for name, plist in by_group.items():
-            if ctx.size(name) == 1 or not plist:
+            reduce = ctx.size(name) > 1
+            if not plist or not (reduce or main_grads):
                 continue
             state = self.groups[name] = _GroupState()
             cur, size = [], 0
             for p in plist:
-                if cur and (size + p.numel() * p.element_size() > limit or p.dtype != cur[0].dtype):
-                    state.buckets.append(_Bucket(cur, name))
+                nbytes = p.numel() * (4 if main_grads else p.element_size())
+                if cur and (size + nbytes > limit or (not main_grads and p.dtype != cur[0].dtype)):
+                    state.buckets.append(_Bucket(cur, name, reduce))
                     cur, size = [], 0
                 cur.append(p)
-                size += p.numel() * p.element_size()
+                size += nbytes
             if cur:
-                state.buckets.append(_Bucket(cur, name))
+                state.buckets.append(_Bucket(cur, name, reduce))
             for b in state.buckets:
+                if main_grads:
+                    b.buffer = torch.zeros(sum(p.numel() for p in b.params), dtype=torch.float32,
+                                           device=b.params[0].device)
+                    offset = 0
+                    for p in b.params:
+                        p.main_grad = b.buffer[offset:offset + p.numel()].view_as(p)
+                        offset += p.numel()
                 for p in b.params:
                     self._bucket_of[id(p)] = b
-                    if overlap:
+                    if main_grads or overlap:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # ------------------------------------------------------------------ backward-time
@@ -82,46 +98,77 @@ class GradSync:
         for state in self.groups.values():
             state.next_launch = 0
             for b in state.buckets:
-                b.ready, b.handle, b.buffer = 0, None, None
+                b.ready, b.handle = 0, None
+                if not self.main_grads:
+                    b.buffer = None
 
+    @torch.no_grad()
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if self.main_grads:
+            # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
+            if id(p) in self._seen:
+                p.main_grad.add_(p.grad)
+            else:
+                p.main_grad.copy_(p.grad)
+                self._seen.add(id(p))
+            p.grad = None
         if not self._armed:
             return
         b = self._bucket_of[id(p)]
+        if not b.reduce or not self.overlap:
+            return
         b.ready += 1
         self._launch_ready(self.groups[b.group_name])
 
     def _launch_ready(self, state: _GroupState, force: bool = False) -> None:
         while state.next_launch < len(state.buckets):
             b = state.buckets[state.next_launch]
-            if not force and b.ready < len(b.params):
+            if b.reduce and not force and b.ready < len(b.params):
                 return
             self._launch(b)
             state.next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
-        # unused params (no grad) join with zeros so every rank issues the same collective; finish() restores None
-        b.had_grad = [p.grad is not None for p in b.params]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.buffer = torch.cat([g.reshape(-1) for g in grads])
-        b.handle = dist.all_reduce(b.buffer, group=self.ctx.group(b.group_name), async_op=True)
+        if self.main_grads:
+            b.had_grad = [id(p) in self._seen for p in b.params]
+            for p, had in zip(b.params, b.had_grad):
+                if not had:  # stale from an earlier step: join with zeros so every rank reduces the same buffer
+                    p.main_grad.zero_()
+        else:
+            # unused params (no grad) join with zeros so every rank issues the same collective; finish() restores
+            # None
+            b.had_grad = [p.grad is not None for p in b.params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            b.buffer = torch.cat([g.reshape(-1) for g in grads])
+        if b.reduce:
+            b.handle = dist.all_reduce(b.buffer, group=self.ctx.group(b.group_name), async_op=True)
 
     # ------------------------------------------------------------------ step-time
     @torch.no_grad()
     def finish(self) -> None:
-        """Complete every bucket (launching any not yet launched), write back, and apply the 1/(dp*cp) scale."""
+        """Complete every bucket (launching any not yet launched), write back, and apply the 1/(dp*cp) scale.
+
+        In main_grads mode the result is in ``p.main_grad`` for the params in ``had_main_grad``; ``p.grad`` stays
+        None. Otherwise it is in ``p.grad`` (None for params that got no gradient on any rank's view)."""
         for state in self.groups.values():
             self._launch_ready(state, force=True)
         for state in self.groups.values():
             for b in state.buckets:
-                b.handle.wait()
-                offset = 0
-                for p, had_grad in zip(b.params, b.had_grad):
-                    n = p.numel()
-                    p.grad = b.buffer[offset:offset + n].view_as(p) if had_grad else None
-                    offset += n
-                b.buffer = b.handle = None
-        if self.scale != 1.0:
+                if b.handle is not None:
+                    b.handle.wait()
+                if not self.main_grads:
+                    offset = 0
+                    for p, had_grad in zip(b.params, b.had_grad):
+                        n = p.numel()
+                        p.grad = b.buffer[offset:offset + n].view_as(p) if had_grad else None
+                        offset += n
+                    b.buffer = None
+                elif self.scale != 1.0:
+                    b.buffer.mul_(self.scale)
+                b.handle = None
+        if self.main_grads:
+            self.had_main_grad, self._seen = self._seen, set()
+        elif self.scale != 1.0:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, self.scale)

@@ -37,6 +37,7 @@ from torch import Tensor
 from lightning_moe.strategy.checkpoint import load_sharded, save_sharded
 from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
+from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 # Parallel dimensions whose code has not landed yet, and the feature each needs.
@@ -59,6 +60,10 @@ class MoEFoldStrategy(ParallelStrategy):
         sequence_parallel: shard activations over TP outside the TP regions (default: on when TP > 1).
         bucket_size_mb: gradient all-reduce bucket size.
         overlap_grad_sync: launch bucket all-reduces during the last backward of each step.
+        fp32_main_params: with bf16/fp16 weights (``Trainer(precision="bf16-true")``), accumulate gradients in fp32
+            and let the optimizer step fp32 copies of the weights, as Megatron does with ``--bf16``. The default
+            (None) turns this on whenever the optimizer holds bf16/fp16 parameters; False steps them in their own
+            precision (plain Lightning ``bf16-true``). Checkpoints then hold the fp32 weights.
         timeout: seconds (or timedelta) a collective may wait before failing, e.g. when another rank died.
         process_group_backend: defaults to NCCL on CUDA and gloo on CPU.
     """
@@ -69,7 +74,7 @@ class MoEFoldStrategy(ParallelStrategy):
                  pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
                  expert_tensor_parallel_size: int = 1, virtual_pipeline_size: Optional[int] = None,
                  num_microbatches: int = 1, sequence_parallel: Optional[bool] = None, bucket_size_mb: float = 25.0,
-                 overlap_grad_sync: bool = True, timeout: Union[float, timedelta] = 1800.0,
+                 overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None, timeout: Union[float, timedelta] = 1800.0,
                  process_group_backend: Optional[str] = None, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
@@ -102,6 +107,8 @@ class MoEFoldStrategy(ParallelStrategy):
         self.num_microbatches = num_microbatches
         self.sequence_parallel = bool(sequence_parallel) if sequence_parallel is not None else self.tp > 1
         self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
+        self.fp32_main_params = fp32_main_params
+        self._main_params: Optional[MainParams] = None
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
@@ -177,8 +184,13 @@ class MoEFoldStrategy(ParallelStrategy):
         self._broadcast_parameters()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            use_main = self.fp32_main_params
+            if use_main is None:
+                use_main = has_low_precision_params(self.optimizers)
+            # main params replace the optimizer's params by fp32 copies: before the optimizer has any state
+            self._main_params = MainParams(self.optimizers) if use_main else None
             self._grad_sync = GradSync(self.model.parameters(), self.parallel_context, self.bucket_size_mb,
-                                       self.overlap_grad_sync)
+                                       self.overlap_grad_sync, main_grads=use_main)
         self.setup_precision_plugin()
         # global-norm clipping: every parameter counted once across the EP/ETP and DP groups
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -214,9 +226,14 @@ class MoEFoldStrategy(ParallelStrategy):
             out = closure()
             if grad_sync is not None:
                 grad_sync.finish()
+                if self._main_params is not None:
+                    self._main_params.attach_grads(grad_sync.had_main_grad)
             return out
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self._main_params is not None:
+            self._main_params.copy_to_model()
+        return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -226,6 +243,17 @@ class MoEFoldStrategy(ParallelStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # load into the model after it is on its device and replicas were broadcast
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self._main_params is not None:  # the fp32 main weights, not their bf16 rounding
+            state.update(self._main_params.state_dict_overrides(self.lightning_module))
+        return state
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._main_params is not None:
+            self._main_params.load_from_state_dict(self.lightning_module, checkpoint["state_dict"])
 
     def _layout_dict(self) -> dict:
         lay = self.layout

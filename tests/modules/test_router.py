@@ -481,3 +481,16 @@ def test_topk1_softmax_needs_pre_softmax():
         ModelConfig(num_experts=4, topk=1)
     ModelConfig(num_experts=4, topk=1, pre_softmax=True)
     ModelConfig(num_experts=4, topk=1, score_function="sigmoid")
+
+
+@pytest.mark.parametrize("score_function,pre_softmax", [("softmax", False), ("softmax", True), ("sigmoid", False)])
+def test_aux_routing_map_reuses_the_router_topk(score_function, pre_softmax):
+    # without groups or bias the router ranks experts like the aux-loss scores do: its top-k can be reused
+    from lightning_moe.modules.router import aux_loss_scores, topk_routing
+    cfg = ModelConfig.from_preset("tiny", num_experts=16, topk=4, score_function=score_function,
+                                  pre_softmax=pre_softmax)
+    logits_TE = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    _, experts_TK = topk_routing(logits_TE, cfg)
+    s_ref, map_ref = aux_loss_scores(logits_TE, score_function, 4)
+    s, map_ = aux_loss_scores(logits_TE, score_function, 4, experts_TK)
+    assert torch.equal(s, s_ref) and torch.equal(map_, map_ref) and map_.sum() == 64 * 4

@@ -33,6 +33,9 @@ class Case:
     model: dict = field(default_factory=dict)
     accumulate: int = 1  # gradient accumulation on both sides
     strategy: dict = field(default_factory=dict)  # extra MoEFoldStrategy arguments
+    precision: str = "32-true"  # "bf16-true": bf16 weights with fp32 main params and grads on both sides
+    tol: Optional[dict] = None  # per-case tolerances (bf16 compute differs by layout in its rounding)
+    lr: float = 1e-2
 
     @property
     def dropping(self) -> bool:
@@ -61,15 +64,16 @@ class Recorder(L.Callback):
             self._acc = 0.0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()}
+        if self.grads is None:  # with fp32 main params the synced gradient is p.main_grad (p.grad is freed)
+            self.grads = {n: (p.grad if p.grad is not None else p.main_grad).detach().clone()
+                          for n, p in pl_module.model.named_parameters()}
 
 
 def model_kwargs(case: Case) -> dict:
     overrides = dict(seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                      ffn_hidden_size=64, moe_ffn_hidden_size=32, num_experts=8, topk=2, z_loss_coeff=1e-3)
     overrides.update(case.model)
-    return dict(preset="tiny", overrides=overrides, lr=1e-2, warmup_steps=1, max_steps=STEPS, seed=7,
+    return dict(preset="tiny", overrides=overrides, lr=case.lr, warmup_steps=1, max_steps=STEPS, seed=7,
                 log_expert_load=False)
 
 
@@ -82,6 +86,9 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
                                                             expert_tensor_parallel_size=case.etp,
                                                             timeout=120, **case.strategy), case.world, \
             GLOBAL_BATCH // dp, 1
+    elif case.precision != "32-true":
+        # the reference also keeps fp32 main params, which plain Lightning bf16-true does not
+        strategy, devices, bs, accumulate = MoEFoldStrategy(), 1, GLOBAL_BATCH, 1
     elif case.dropping:
         # capacity is per rank (as in Megatron): the reference runs each DP shard as its own micro-batch
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH // dp, dp
@@ -92,7 +99,8 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     trainer = L.Trainer(accelerator=ACCELERATOR, devices=devices, strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[rec], default_root_dir=root, num_sanity_val_steps=0, limit_val_batches=0)
+                        callbacks=[rec], default_root_dir=root, precision=case.precision, num_sanity_val_steps=0,
+                        limit_val_batches=0)
     model = MoELanguageModel(**model_kwargs(case))
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=SEQ, batch_size=bs, seed=3))
     losses = torch.tensor(rec.losses, dtype=torch.float64, device=trainer.strategy.root_device)
@@ -100,6 +108,10 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
         dist.all_reduce(losses)  # the objective is the mean over data-parallel ranks
         losses /= dp
     state = {n: t.detach().cpu().clone() for n, t in model.model.state_dict().items()}
+    main = getattr(trainer.strategy, "_main_params", None)
+    if main is not None:  # compare the fp32 main weights, not their bf16 rounding
+        for n, p in model.model.named_parameters():
+            state[n] = main.main_of(p).detach().cpu().clone()
     grads = {n: g.cpu() for n, g in rec.grads.items()}
     return {"losses": losses.cpu(), "grads": grads, "state": state, "ctx": model.parallel_context}
 

@@ -14,6 +14,10 @@ from tests.parallel.parity import ACCELERATOR, Case, make_tokens, parallel_worke
 
 GLOBAL = dict(score_function="sigmoid", expert_bias=True, bias_update_rate=1e-2, load_balancing="global_aux_loss")
 CAP = dict(capacity_factor=1.0, drop_policy="probs")
+# bf16 compute: CPU bf16 GEMMs round differently for different row counts. Gradients and loss stay within ~5e-3; the
+# parameters after 3 AdamW steps differ by up to ~lr where Adam's sign(g) meets near-zero bf16-rounded gradients, so
+# these cases train at lr 1e-3. A missing 1/(dp*cp) or a 1/edp expert-gradient scale is a factor of 2 in the grads.
+BF16_TOL = {"loss": 1e-3, "grads": 2e-2, "state": 0.1}
 
 CASES = [
     Case("ep2_alltoall_dropless", 2, ep=2, model=dict(dispatcher="alltoall", load_balancing="global_aux_loss")),
@@ -35,6 +39,12 @@ CASES = [
     Case("ep2_etp2_dedup", 4, ep=2, etp=2, model=dict(dispatcher="alltoall_dedup", **GLOBAL)),
     Case("ep2_no_overlap_small_buckets", 2, ep=2, model=dict(dispatcher="alltoall", **GLOBAL),
          strategy=dict(overlap_grad_sync=False, bucket_size_mb=0.01)),
+    # bf16 weights with fp32 main grads and main params on both sides
+    Case("ep2_bf16_main_params", 2, ep=2, model=dict(dispatcher="alltoall", load_balancing="global_aux_loss"),
+         precision="bf16-true", tol=BF16_TOL, lr=1e-3),
+    Case("ep2_edp2_bf16_main_params_accumulate2", 4, ep=2,
+         model=dict(dispatcher="alltoall", load_balancing="global_aux_loss"), accumulate=2, precision="bf16-true",
+         tol=BF16_TOL, lr=1e-3),
 ]
 
 if ACCELERATOR == "gpu":  # over NCCL: only the cases this machine has GPUs for
@@ -72,7 +82,7 @@ def test_parity(results, case):
     per_rank = results[case.name]
     for rank, res in enumerate(per_rank):
         print(f"{case.name} rank{rank}: " + ", ".join(f"{k} abs={res[k][0]:.2e} rel={res[k][1]:.2e}" for k in TOL))
-        for key, tol in TOL.items():
+        for key, tol in (case.tol or TOL).items():
             abs_, rel = res[key][:2]
             assert rel <= tol, (f"{case.name} rank {rank}: {key} differs from the 1-process reference: max abs "
                                 f"{abs_:.3e}, rel {rel:.3e} (worst: {res[key][2] if key != 'loss' else ''}); "
