@@ -169,6 +169,8 @@ def run_one(args, preset: str) -> dict:
         overrides["vocab_size"] = vocab
     if getattr(args, "compile_router", False):
         overrides["compile_router"] = True
+    if args.dispatcher:
+        overrides["dispatcher"] = args.dispatcher
     cfg = ModelConfig.from_preset(preset, **overrides)
     if cfg.vocab_size > 65535:
         raise SystemExit(f"error: vocab {cfg.vocab_size} does not fit the uint16 token file; pass --vocab")
@@ -223,7 +225,7 @@ def run_one(args, preset: str) -> dict:
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts,
            "topk": cfg.topk, "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size, "seq_length": seq,
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
-           "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None,
+           "dispatcher": cfg.dispatcher, "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None,
            "compile": False, "devices": args.devices,
            "strategy": f"MoEFoldStrategy(expert_parallel_size={args.ep})", **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
@@ -243,7 +245,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         for flag, value in (("--layers", args.layers), ("--vocab", args.vocab), ("--seq", args.seq),
                             ("--batch", args.batch), ("--steps", args.steps), ("--warmup-steps", args.warmup_steps),
                             ("--accumulate", args.accumulate), ("--devices", args.devices), ("--ep", args.ep),
-                            ("--precision", args.precision)):
+                            ("--precision", args.precision), ("--dispatcher", args.dispatcher)):
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--compile"] if args.compile else []
@@ -276,6 +278,7 @@ def main(argv=None) -> dict:
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, folded over the data-parallel ranks")
+    p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")
     p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")
     p.add_argument("--seed", type=int, default=1234)
