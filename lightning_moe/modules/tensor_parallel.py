@@ -1,0 +1,208 @@
+"""Tensor-parallel building blocks (Megatron's ``tensor_parallel`` package), written against a ``ParallelContext``.
+
+Regions. Without sequence parallelism (SP), activations outside a TP region are replicated over the TP ranks: a
+column-parallel layer enters with ``copy_to_tp`` (identity forward, all-reduce backward) and a row-parallel layer
+leaves with ``reduce_from_tp`` (all-reduce forward, identity backward). With SP they are sharded along the sequence
+instead: enter with an all-gather, leave with a reduce-scatter (each the other's backward). Activations are
+(B, S, D), so the sequence dimension is 1.
+
+Weights are shards of the full tensors, initialised by ``modules/init.py`` so every layout holds the same model.
+Parameters replicated over TP (norms, the router) get partial gradients under SP, because each rank saw only its
+sequence shard: their gradients must be summed over TP (the test in tests/parallel/test_tp_blocks.py shows it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe.modules.init import fill_normal_
+from lightning_moe.strategy.comm import all_gather, reduce_scatter
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+# ------------------------------------------------------------------------------------------------ region collectives
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """All-gather along ``dim`` (rank order); backward reduce-scatters (sums) the gradient."""
+    if group is None:
+        return x
+    return all_gather(x.movedim(dim, 0), group).movedim(0, dim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Sum over ranks, each keeping its chunk of ``dim``; backward all-gathers."""
+    if group is None:
+        return x
+    return reduce_scatter(x.movedim(dim, 0), group).movedim(0, dim)
+
+
+# ------------------------------------------------------------------------------------------------ layers
+def _check_divisible(what: str, n: int, tp: int) -> None:
+    if n % tp:
+        raise ValueError(f"tensor parallelism: {what} ({n}) is not divisible by tensor_parallel_size ({tp})")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T`` with W split by output rows: each rank computes its slice of the output features.
+
+    Input: replicated (B, S, D_in), or sequence-sharded (B, S/tp, D_in) under SP. Output: (B, S, D_out/tp).
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, init_std: float = 0.02,
+                 sequence_parallel: Optional[bool] = None):
+        super().__init__()
+        _check_divisible("output features", out_features, ctx.tp)
+        self.ctx, self.init_std = ctx, init_std
+        self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features // ctx.tp, in_features))
+        self.weight.tp_shard_dim = 0
+
+    @torch.no_grad()
+    def reset_parameters_sharded(self, seed: int, name: str) -> None:
+        fill_normal_(self.weight, self.init_std, seed, f"{name}.weight", 0, self.ctx.rank("tp"), self.ctx.tp)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group("tp")
+        x_BSD = gather_seq(x_BSD, group) if self.sequence_parallel else copy_to_tp(x_BSD, group)
+        return F.linear(x_BSD, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with W split by input columns: each rank holds partial sums, reduced over TP.
+
+    Input: (B, S, D_in/tp), the output of a column-parallel layer. Output: replicated (B, S, D_out), or
+    sequence-sharded (B, S/tp, D_out) under SP.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, init_std: float = 0.02,
+                 sequence_parallel: Optional[bool] = None):
+        super().__init__()
+        _check_divisible("input features", in_features, ctx.tp)
+        self.ctx, self.init_std = ctx, init_std
+        self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // ctx.tp))
+        self.weight.tp_shard_dim = 1
+
+    @torch.no_grad()
+    def reset_parameters_sharded(self, seed: int, name: str) -> None:
+        fill_normal_(self.weight, self.init_std, seed, f"{name}.weight", 1, self.ctx.rank("tp"), self.ctx.tp)
+
+    def forward(self, x_BSF: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group("tp")
+        y_BSD = F.linear(x_BSF, self.weight)
+        return reduce_scatter_seq(y_BSD, group) if self.sequence_parallel else reduce_from_tp(y_BSD, group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over TP: each rank looks up the ids in its range, the rest are summed in
+    from the other ranks. Output: replicated (B, S, D), or sequence-sharded under SP (reduce-scatter)."""
+
+    def __init__(self, vocab_size: int, dim: int, ctx: ParallelContext, init_std: float = 0.02,
+                 sequence_parallel: Optional[bool] = None):
+        super().__init__()
+        _check_divisible("vocab size", vocab_size, ctx.tp)
+        self.ctx, self.init_std = ctx, init_std
+        self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else sequence_parallel
+        self.vocab_per_rank = vocab_size // ctx.tp
+        self.vocab_start = ctx.rank("tp") * self.vocab_per_rank
+        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, dim))
+        self.weight.tp_shard_dim = 0
+
+    @torch.no_grad()
+    def reset_parameters_sharded(self, seed: int, name: str) -> None:
+        fill_normal_(self.weight, self.init_std, seed, f"{name}.weight", 0, self.ctx.rank("tp"), self.ctx.tp)
+
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group("tp")
+        if group is None:
+            return F.embedding(ids_BS, self.weight)
+        local_BS = ids_BS - self.vocab_start
+        outside_BS = (local_BS < 0) | (local_BS >= self.vocab_per_rank)
+        x_BSD = F.embedding(local_BS.masked_fill(outside_BS, 0), self.weight)
+        x_BSD = x_BSD.masked_fill(outside_BS.unsqueeze(-1), 0.0)
+        return reduce_scatter_seq(x_BSD, group) if self.sequence_parallel else reduce_from_tp(x_BSD, group)
+
+
+# ------------------------------------------------------------------------------------------------ cross-entropy
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over vocab-sharded logits without gathering them: three all-reduces of (N,) vectors."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, target_N, vocab_start, group):
+        logits_NV = logits_NV.float()
+        max_N = logits_NV.max(dim=-1).values
+        dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
+        shifted_NV = logits_NV - max_N.unsqueeze(-1)
+        local_N = target_N - vocab_start
+        inside_N = (local_N >= 0) & (local_N < logits_NV.shape[-1])
+        idx_N = local_N.clamp(0, logits_NV.shape[-1] - 1)
+        target_logit_N = shifted_NV.gather(1, idx_N.unsqueeze(1)).squeeze(1) * inside_N
+        exp_NV = shifted_NV.exp()
+        sum_exp_N = exp_NV.sum(dim=-1)
+        both = torch.stack([target_logit_N, sum_exp_N])
+        dist.all_reduce(both, group=group)
+        target_logit_N, sum_exp_N = both[0], both[1]
+        loss_N = sum_exp_N.log() - target_logit_N
+        ctx.save_for_backward(exp_NV.div_(sum_exp_N.unsqueeze(-1)), idx_N, inside_N)
+        return loss_N
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        softmax_NV, idx_N, inside_N = ctx.saved_tensors
+        grad_NV = softmax_NV.clone()
+        grad_NV.scatter_add_(1, idx_N.unsqueeze(1), -inside_N.to(grad_NV.dtype).unsqueeze(1))
+        return grad_NV * grad_N.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_NV: torch.Tensor, target_N: torch.Tensor, ctx: ParallelContext,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy`` of the full-vocabulary logits, given this rank's vocab shard (fp32 math)."""
+    group = ctx.group("tp")
+    if group is None:
+        return F.cross_entropy(logits_NV.float(), target_N, reduction=reduction)
+    vocab_start = ctx.rank("tp") * logits_NV.shape[-1]
+    loss_N = _VocabParallelCE.apply(logits_NV, target_N, vocab_start, group)
+    if reduction == "mean":
+        return loss_N.mean()
+    if reduction == "sum":
+        return loss_N.sum()
+    if reduction == "none":
+        return loss_N
+    raise ValueError(f"vocab_parallel_cross_entropy: unknown reduction {reduction!r}")
