@@ -91,6 +91,20 @@ class GradSync:
                     if main_grads or overlap:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
+    def discard(self) -> None:
+        """Forget the main grads accumulated so far (the optimizer's ``zero_grad``): the next gradient overwrites."""
+        self._seen.clear()
+
+    def release(self) -> None:
+        """Drop the hooks and the main-grad buffers (end of training)."""
+        self.remove_hooks()
+        for p in self.params:
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+        for state in self.groups.values():
+            for b in state.buckets:
+                b.buffer = b.handle = None
+
     # ------------------------------------------------------------------ backward-time
     def arm(self) -> None:
         """The next backward is the last of this optimizer step: launch buckets as their gradients complete."""

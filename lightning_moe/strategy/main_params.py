@@ -6,6 +6,12 @@ optimizer steps fp32 copies of the weights, which are written back to the bf16 w
 
 The optimizer's param groups hold the fp32 copies, so gradient clipping, LR schedulers and the optimizer state see fp32
 tensors. fp32 parameters (e.g. the router's) are their own main copy.
+
+Known limits (the strategy's automatic-optimization flow is the supported path):
+  * the fp32 gradients reach the optimizer's tensors inside ``optimizer_step``. Under manual optimization,
+    ``clip_gradients`` before ``opt.step()`` and hooks that read ``p.grad`` of the model (which stays None) see no
+    gradient;
+  * param groups added after setup (``add_param_group``, e.g. ``BaseFinetuning``) get no main copy.
 """
 
 from __future__ import annotations
@@ -61,11 +67,17 @@ class MainParams:
         if self._low:
             torch._foreach_copy_([p for p, _ in self._low], [m for _, m in self._low])
 
+    @staticmethod
+    def _current(p: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
+        # the main copy where it still rounds to the model weight; the model weight where someone overwrote it
+        # (a callback loading weights, EMA/SWA, load_state_dict): elementwise, no host sync
+        return torch.where(main.to(p.dtype) == p, main, p.to(main.dtype))
+
     @torch.no_grad()
-    def copy_from_model(self) -> None:
-        """Re-seed the main copies from the model weights (after the model's weights were replaced)."""
-        if self._low:
-            torch._foreach_copy_([m for _, m in self._low], [p for p, _ in self._low])
+    def sync_from_model(self) -> None:
+        """Adopt model weights written since the main copies were made; keep the fp32 bits of the others."""
+        for p, main in self._low:
+            main.copy_(self._current(p, main))
 
     def state_dict_overrides(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """``{state-dict key: fp32 main copy}`` for every low-precision param of ``module``: checkpoints keep fp32."""
@@ -73,8 +85,14 @@ class MainParams:
         for name, p in module.named_parameters():
             main = self._main_of.get(id(p))
             if main is not None and main is not p:
-                out[name] = main.detach()
+                out[name] = self._current(p.detach(), main.detach())
         return out
+
+    @torch.no_grad()
+    def to(self, device: torch.device) -> None:
+        """Move the main copies (the optimizer's params, same objects) e.g. to the CPU at teardown."""
+        for _, main in self._low:
+            main.data = main.data.to(device)
 
     @torch.no_grad()
     def load_from_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

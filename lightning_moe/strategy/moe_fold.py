@@ -191,6 +191,9 @@ class MoEFoldStrategy(ParallelStrategy):
             self._main_params = MainParams(self.optimizers) if use_main else None
             self._grad_sync = GradSync(self.model.parameters(), self.parallel_context, self.bucket_size_mb,
                                        self.overlap_grad_sync, main_grads=use_main)
+            if use_main:
+                for opt in self.optimizers:  # zero_grad must also drop the fp32 main grads accumulated so far
+                    opt.zero_grad = partial(self._zero_grad, opt.zero_grad)
         self.setup_precision_plugin()
         # global-norm clipping: every parameter counted once across the EP/ETP and DP groups
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -200,6 +203,17 @@ class MoEFoldStrategy(ParallelStrategy):
             self.precision_plugin.clip_gradients = partial(Precision.clip_gradients, self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _zero_grad(self, zero_grad: Callable, *args, **kwargs):
+        if self._grad_sync is not None:
+            self._grad_sync.discard()
+        return zero_grad(*args, **kwargs)
+
+    def on_train_start(self) -> None:
+        # after checkpoint restore and the user's/callbacks' on_train_start: weights they wrote into the bf16 model
+        # must not be overwritten by stale main copies at the first step
+        if self._main_params is not None:
+            self._main_params.sync_from_model()
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -304,8 +318,10 @@ class MoEFoldStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         if self._grad_sync is not None:
-            self._grad_sync.remove_hooks()
+            self._grad_sync.release()
             self._grad_sync = None
+        if self._main_params is not None:  # as Lightning moves the optimizer state: free the GPU
+            self._main_params.to(torch.device("cpu"))
         super().teardown()
 
     @classmethod

@@ -78,17 +78,33 @@ def test_low_precision_accumulation_would_differ():
     assert torch.equal(acc_bf16, torch.ones(4, dtype=torch.bfloat16)) and (acc_fp32 > 1.06).all()
 
 
-def _fit(tmp_path, max_steps, ckpt_path=None, **strategy_kw):
+def test_zero_grad_discards_accumulated_main_grads():
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sync = GradSync(net.parameters(), ParallelContext.single(), main_grads=True)
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    net(x).backward()
+    once = net.a.weight.main_grad.clone()
+    net(x).backward()
+    assert torch.equal(net.a.weight.main_grad, 2 * once)
+    sync.discard()  # what the strategy's zero_grad wrapper calls
+    net(x).backward()
+    assert torch.equal(net.a.weight.main_grad, once)
+    del opt
+
+
+def _fit(tmp_path, max_steps, ckpt_path=None, callbacks=(), lr=1e-2, **strategy_kw):
     from tests.parallel.parity import make_tokens
     tokens = make_tokens(str(tmp_path / "tokens.bin"))
     model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=32, num_layers=2, hidden_size=32,
                                                            num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                                                            moe_ffn_hidden_size=32, num_experts=4, topk=2),
-                             lr=1e-2, warmup_steps=1, max_steps=8, log_expert_load=False)
+                             lr=lr, warmup_steps=1, max_steps=8, log_expert_load=False)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEFoldStrategy(**strategy_kw), precision="bf16-true",
                         max_steps=max_steps, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=0)
+                        default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=list(callbacks))
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=32, batch_size=4, seed=3),
                 ckpt_path=ckpt_path)
     return trainer, model
@@ -119,6 +135,24 @@ def test_bf16_true_trains_with_fp32_main_params_and_checkpoints_them(tmp_path):
     for n, p in model2.named_parameters():
         assert torch.equal(main2.main_of(p), saved[n]), n
         assert torch.equal(p, saved[n].to(p.dtype)), n
+
+
+def test_weights_written_at_train_start_are_kept(tmp_path):
+    # e.g. a callback that loads pretrained weights: the main copies adopt them instead of overwriting them
+    class Load(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            with torch.no_grad():
+                pl_module.model.layers[0].ffn.experts.w13.fill_(0.5)
+
+    trainer, model = _fit(tmp_path, 1, callbacks=[Load()], lr=1e-6)
+    w = model.model.layers[0].ffn.experts.w13
+    assert abs(w.float().mean().item() - 0.5) < 1e-3
+    assert abs(trainer.strategy._main_params.main_of(w).mean().item() - 0.5) < 1e-3
+
+
+def test_teardown_releases_main_grad_buffers(tmp_path):
+    trainer, model = _fit(tmp_path, 1)
+    assert not any(hasattr(p, "main_grad") for p in model.parameters())
 
 
 def test_opt_out_keeps_plain_bf16(tmp_path):
