@@ -42,8 +42,7 @@ def _attention_flops_per_token_per_layer(cfg: ModelConfig, s: int) -> float:
         #   out:  H·v·h
         #   core: s·H·(nope + rope)/2 (QK^T) + s·H·v/2 (AV), both causal-halved
         # Megatron counts the two latent norms here (the "+1"s); we keep them for parity, they are < 0.01 %.
-        # NOTE: until MLA itself is implemented the model runs standard MHA with head_dim = nope + rope in its
-        # place (see modules/attention.py), whose real cost is higher; this function counts the MLA model.
+        # These are exactly the matmuls of modules/mla.py (tests/test_flops.py checks them against its weights).
         nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         if None in (nope, rope, v, cfg.kv_lora_rank):
             raise ValueError("training_flops_per_token: attention_type='mla' needs qk_nope_head_dim, "

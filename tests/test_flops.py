@@ -141,3 +141,23 @@ def test_peak_flops(name, dtype, expected):
 def test_peak_is_dense_not_sparse():
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
     assert not math.isclose(peak_flops("NVIDIA H100 80GB HBM3"), 1979e12, rel_tol=0.01)
+
+
+def test_mla_formula_counts_the_implemented_model():
+    """The MLA terms equal the matmul weights of modules/mla.py (plus Megatron's two latent-norm '+1's) and its
+    causal core attention (QK^T over nope + rope, AV over v)."""
+    cfg = ModelConfig.from_preset("deepseek-v3", num_layers=4, vocab_size=1024)
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    s, H = cfg.seq_length, cfg.num_attention_heads
+    attn = model.layers[0].attn
+    assert type(attn).__name__ == "MLAttention"
+    weights = sum(p.numel() for n, p in attn.named_parameters() if n.startswith("w"))
+    norms = cfg.q_lora_rank + cfg.kv_lora_rank
+    core = s * H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) / 2 + s * H * cfg.v_head_dim / 2
+    expected_attention = 6 * cfg.num_layers * (weights + norms + core)
+    mlp_and_logits = training_flops_per_token(cfg.replace(attention_type="gqa", num_attention_heads=1,
+                                                          num_kv_heads=1, head_dim=1, seq_length=s))
+    gqa_attention = 6 * cfg.num_layers * (cfg.hidden_size * 3 + cfg.hidden_size + s * 1)  # the 1-head stand-in
+    assert training_flops_per_token(cfg) == pytest.approx(mlp_and_logits - gqa_attention + expected_attention,
+                                                          rel=1e-12)

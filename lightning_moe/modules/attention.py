@@ -1,18 +1,24 @@
 """Causal self-attention with grouped-query heads, RoPE and optional per-head q/k RMSNorm (Qwen3).
 
-Shapes: B batch, S sequence, D hidden, H query heads, G kv heads, Dh head dim.
+Tensor parallelism splits the heads: q, k, v are column-parallel (each rank holds H/tp query and G/tp kv heads,
+contiguous, so a rank's query heads find their kv heads locally), the output projection is row-parallel. Like
+Megatron, the number of kv heads must be divisible by TP (no kv-head replication). Context parallelism hands each
+rank its zig-zag chunks of the sequence (``positions_S`` are their global positions, for RoPE) and exchanges K/V
+inside ``context_parallel_attention``.
+
+Shapes: B batch, S local sequence, D hidden, H local query heads, G local kv heads, Dh head dim.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.modules.config import ModelConfig
-from lightning_moe.modules.init import fill_normal_
+from lightning_moe.modules.context_parallel import context_parallel_attention
+from lightning_moe.modules.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
+                                                   mark_grad_sum_over_tp)
+from lightning_moe.strategy.parallel_context import ParallelContext
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,49 +34,69 @@ def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tens
     return (x_BHSDh.float() * cos_SDh + rotated.float() * sin_SDh).to(x_BHSDh.dtype)
 
 
+class RotaryCache:
+    """cos/sin tables grown on demand and indexed by global position. Not a buffer: never checkpointed or cast."""
+
+    def __init__(self, dim: int, theta: float, min_len: int):
+        self.dim, self.theta, self.min_len = dim, theta, min_len
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # sizes come from the (static) sequence length, not from the positions' values: no host sync
+        need, dev = max(positions_S.shape[0], self.min_len), positions_S.device
+        if self._table is None or self._table[0].shape[0] < need or self._table[0].device != dev:
+            # built outside inference mode: a table first made by trainer.validate() must still serve training
+            with torch.inference_mode(False), torch.no_grad():
+                self._table = rope_cos_sin(need, self.dim, self.theta, dev)
+        cos, sin = self._table
+        return cos[positions_S], sin[positions_S]
+
+
+def check_attention_tp(cfg: ModelConfig, tp: int) -> None:
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tensor parallelism: num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                         f"tensor_parallel_size={tp}")
+    if cfg.attention_type == "gqa" and cfg.num_kv_heads % tp:
+        raise ValueError(f"tensor parallelism: num_kv_heads={cfg.num_kv_heads} is not divisible by "
+                         f"tensor_parallel_size={tp} (kv heads are split, not replicated, as in Megatron)")
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, out_std: float):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        if cfg.attention_type == "mla":
-            warnings.warn("attention_type='mla' (multi-head latent attention) is not implemented yet; this model "
-                          f"uses standard attention with {cfg.num_attention_heads} heads of dim {cfg.head_dim} "
-                          "in its place. MLA lands with the tensor/context-parallel issue.", stacklevel=2)
-        self.cfg, self.out_std = cfg, out_std
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
-        D, Dh = cfg.hidden_size, cfg.head_dim
-        self.wq = nn.Linear(D, self.n_heads * Dh, bias=False)
-        self.wk = nn.Linear(D, self.n_kv * Dh, bias=False)
-        self.wv = nn.Linear(D, self.n_kv * Dh, bias=False)
-        self.wo = nn.Linear(self.n_heads * Dh, D, bias=False)
+        check_attention_tp(cfg, ctx.tp)
+        self.cfg, self.ctx = cfg, ctx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads // ctx.tp, cfg.num_kv_heads // ctx.tp, \
+            cfg.head_dim
+        D, Dh, std = cfg.hidden_size, cfg.head_dim, cfg.init_std
+        self.wq = ColumnParallelLinear(D, cfg.num_attention_heads * Dh, ctx, std, input_in_region=True)
+        self.wk = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, ctx, std, input_in_region=True)
+        self.wv = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, ctx, std, input_in_region=True)
+        self.wo = RowParallelLinear(cfg.num_attention_heads * Dh, D, ctx, out_std)
         self.q_norm = nn.RMSNorm(Dh, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(Dh, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        for norm in (self.q_norm, self.k_norm):  # shared by all heads, each rank sees only its own heads
+            if norm is not None:
+                mark_grad_sum_over_tp(norm, ctx)
+        self.rope = RotaryCache(Dh, cfg.rope_theta, cfg.seq_length)
 
-    @torch.no_grad()
-    def reset_parameters_sharded(self, seed: int, name: str) -> None:
-        for proj in ("wq", "wk", "wv"):
-            fill_normal_(getattr(self, proj).weight, self.cfg.init_std, seed, f"{name}.{proj}")
-        fill_normal_(self.wo.weight, self.out_std, seed, f"{name}.wo")
-
-    def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        # cached and grown on demand: not a buffer, so it is never checkpointed or cast by precision plugins
-        if self._rope is None or self._rope[0].shape[0] < seq_len or self._rope[0].device != torch.device(device):
-            # built outside inference mode: a cache first made by trainer.validate() must still serve training
-            with torch.inference_mode(False), torch.no_grad():
-                self._rope = rope_cos_sin(max(seq_len, self.cfg.seq_length), self.head_dim, self.cfg.rope_theta,
-                                          device)
-        cos, sin = self._rope
-        return cos[:seq_len], sin[:seq_len]
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+        x_BSD = enter_tp_region(x_BSD, self.ctx)  # one all-gather (SP) for q, k and v
         B, S, _ = x_BSD.shape
         q_BHSDh = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k_BGSDh = self.wk(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         v_BGSDh = self.wv(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
-        cos, sin = self.rope(S, x_BSD.device)
+        cos, sin = self.rope(positions_S)
         q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BGSDh, cos, sin)
-        o_BHSDh = F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
-                                                 enable_gqa=self.n_kv != self.n_heads)
+        ctx = self.ctx
+        o_BHSDh = context_parallel_attention(q_BHSDh, k_BGSDh, v_BGSDh, ctx.group("cp"), ctx.rank("cp"), ctx.cp)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+
+def build_attention(cfg: ModelConfig, ctx: ParallelContext, out_std: float) -> nn.Module:
+    if cfg.attention_type == "mla":
+        from lightning_moe.modules.mla import MLAttention
+        return MLAttention(cfg, ctx, out_std)
+    return Attention(cfg, ctx, out_std)

@@ -33,8 +33,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_type: Literal["gqa", "mla"] = "gqa"
-    # MLA shapes (DeepSeek-V3). MLA itself lands with the TP/CP issue; until then "mla" runs as MHA with the
-    # same number of heads and head_dim = qk_nope_head_dim + qk_rope_head_dim, and says so with a warning.
+    # MLA shapes (DeepSeek-V3), used when attention_type="mla" (modules/mla.py); q_lora_rank None: no q LoRA
     q_lora_rank: Optional[int] = None
     kv_lora_rank: Optional[int] = None
     qk_nope_head_dim: Optional[int] = None

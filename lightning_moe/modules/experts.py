@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.modules.init import fill_normal_, full_normal, shard
+from typing import Optional
+
+from lightning_moe.modules.init import full_normal, shard
+from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from lightning_moe.strategy.parallel_context import ParallelContext
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -90,21 +94,15 @@ class GroupedExperts(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Dense SwiGLU MLP (dense layers and shared experts)."""
+    """Dense SwiGLU MLP (dense layers and shared experts), tensor-parallel: [gate | up] column-parallel (each rank
+    holds its slice of both), down row-parallel. On one rank it is the plain MLP."""
 
-    def __init__(self, hidden: int, ffn: int, init_std: float = 0.02, out_std: float = 0.02):
+    def __init__(self, hidden: int, ffn: int, init_std: float = 0.02, out_std: float = 0.02,
+                 ctx: Optional[ParallelContext] = None, sequence_parallel: Optional[bool] = None):
         super().__init__()
-        self.init_std, self.out_std = init_std, out_std
-        self.w13 = nn.Linear(hidden, 2 * ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    @torch.no_grad()
-    def reset_parameters_sharded(self, seed: int, name: str) -> None:
-        ffn = self.w2.in_features
-        gate = full_normal((ffn, self.w13.in_features), self.init_std, seed, f"{name}.gate", self.w13.weight.device)
-        up = full_normal((ffn, self.w13.in_features), self.init_std, seed, f"{name}.up", self.w13.weight.device)
-        self.w13.weight.copy_(torch.cat([gate, up], dim=0))
-        fill_normal_(self.w2.weight, self.out_std, seed, f"{name}.down")
+        ctx = ctx or ParallelContext.single()
+        self.w13 = ColumnParallelLinear(hidden, 2 * ffn, ctx, init_std, sequence_parallel, part_keys=("gate", "up"))
+        self.w2 = RowParallelLinear(ffn, hidden, ctx, out_std, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)

@@ -9,10 +9,9 @@ from typing import Optional
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from lightning_moe.modules.config import ModelConfig
-from lightning_moe.modules.transformer import MoETransformer
+from lightning_moe.modules.transformer import MoETransformer, check_model_layout
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 
@@ -67,32 +66,40 @@ class MoELanguageModel(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        layout = getattr(self.parallel_context, "layout", None)
-        if layout is not None:
-            layout.check_num_experts(self.config.num_experts)
         self.model = MoETransformer(self.config, self.parallel_context)
         self.model.init_weights(self.hparams.seed)
+
+    def check_layout(self, layout) -> None:
+        """Called by MoEFoldStrategy before any process group exists: a model that cannot be split over the layout
+        (heads, kv heads, FFN sizes, vocab or experts not divisible; sequence length not divisible by 2 x CP) fails
+        here with a ValueError naming the numbers."""
+        check_model_layout(self.config, layout)
 
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(tokens_BS)
 
     def _lm_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_BSV, aux = self.model(batch["input_ids"])
-        lm_loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), batch["labels"].flatten())
-        return lm_loss, aux
+        # the model shards tokens and labels over CP and computes a vocab-parallel cross-entropy under TP
+        return self.model.loss(batch["input_ids"], batch["labels"])
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        """Returns ``loss`` (LM + auxiliary, what backward runs on), and detached ``lm_loss`` and ``aux_loss``.
+
+        Under TP each rank's auxiliary loss covers its share of the tokens (their router gradients are summed over
+        TP): the reported ``aux_loss`` is summed over TP (one scalar all-reduce) so it is the same on every layout."""
         lm_loss, aux = self._lm_loss(batch)
         bs = batch["input_ids"].shape[0]
         # the mean over data-parallel ranks: the same number on every layout (one small all-reduce per step)
         self.log("train_loss", lm_loss, prog_bar=True, batch_size=bs, sync_dist=True)
+        aux_report = aux.detach().clone()
+        self.model.ctx.all_reduce_(aux_report, "tp")
         if self.model.moe_layers():
             stats = [m.last_stats for m in self.model.moe_layers()]
             self.log("aux_loss", torch.stack([s["aux_loss"] for s in stats]).sum(), batch_size=bs)
             self.log("z_loss", torch.stack([s["z_loss"] for s in stats]).sum(), batch_size=bs)
             if self.hparams.log_expert_load and self._writes_logs_now():
                 self.log_dict(self.expert_load_metrics(), batch_size=bs)
-        return lm_loss + aux
+        return {"loss": lm_loss + aux, "lm_loss": lm_loss.detach(), "aux_loss": aux_report}
 
     def _writes_logs_now(self) -> bool:
         # per-layer load is (2 + E) scalars per MoE layer: compute and log them only when Lightning writes logs

@@ -1,6 +1,12 @@
 """The MoE layer: router -> dispatcher -> grouped experts -> dispatcher, plus optional shared experts.
 
 Reads like single-device code; the dispatcher and the expert shards are the parallel pieces swapped in.
+
+Folding: the layer receives the attention layout's activations (this CP rank's tokens, replicated over TP or
+sequence-sharded under SP) and routes each token on exactly one rank of the TP group, so that the MoE layout
+(ETP x EP) sees every token once. Under SP the tokens are already distinct per TP rank; without SP the layer keeps
+its TP rank's sequence chunk on entry and all-gathers the outputs on exit. Shared experts are a tensor-parallel MLP
+in the attention layout.
 """
 
 from __future__ import annotations
@@ -12,32 +18,42 @@ from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.dispatcher import build_dispatcher
 from lightning_moe.modules.experts import GroupedExperts, SwiGLU
 from lightning_moe.modules.router import TopKRouter
+from lightning_moe.modules.tensor_parallel import gather_seq_replicated, mark_grad_sum_over_tp, split_seq
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 
 class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
+        self.ctx = ctx
         self.router = TopKRouter(cfg, ctx)
+        mark_grad_sum_over_tp(self.router, ctx)  # each TP rank routes its own share of the tokens
         self.dispatcher = build_dispatcher(cfg, ctx)
         d = self.dispatcher
         self.experts = GroupedExperts(d.num_local_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size,
                                       expert_offset=d.local_expert_offset, etp_rank=ctx.rank("etp"),
                                       etp_size=ctx.etp, init_std=cfg.init_std, out_std=out_std)
-        self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn_size, cfg.init_std, out_std)
+        self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn_size, cfg.init_std, out_std, ctx)
                                if cfg.shared_expert_ffn_size else None)
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the layer output and its auxiliary loss (load balancing + z-loss, coefficients applied)."""
+        shared_BSD = self.shared_experts(x_BSD) if self.shared_experts is not None else None
+        tp_group = self.ctx.group("tp")
+        split = tp_group is not None and not self.ctx.sequence_parallel
+        if split:
+            x_BSD = split_seq(x_BSD, tp_group)
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         route = self.router(x_TD, num_sequences=B)
         x_MD, tokens_per_local_expert_L, st = self.dispatcher.dispatch(x_TD, route)
         y_MD = self.experts(x_MD, tokens_per_local_expert_L, has_tail=st.has_tail)
-        y_TD = self.dispatcher.combine(y_MD, st).to(x_BSD.dtype)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+        y_BSD = self.dispatcher.combine(y_MD, st).to(x_BSD.dtype).view(B, S, D)
+        if split:
+            y_BSD = gather_seq_replicated(y_BSD, tp_group)
+        if shared_BSD is not None:
+            y_BSD = y_BSD + shared_BSD
         self.last_stats = {"tokens_per_expert": route.tokens_per_expert_E, "num_dropped": route.num_dropped,
                            "aux_loss": route.aux_loss.detach(), "z_loss": route.z_loss.detach()}
-        return y_TD.view(B, S, D), route.aux_loss + route.z_loss
+        return y_BSD, route.aux_loss + route.z_loss

@@ -146,10 +146,10 @@ def updated_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor,
 
 # ---------------------------------------------------------------------------------------------------- module
 def _route_local(logits_TE: torch.Tensor, cfg: ModelConfig, expert_bias_E: Optional[torch.Tensor],
-                 training: bool):
+                 training: bool, z_scale: float = 1.0):
     """Everything the router computes from its logits without communication: z-loss, top-k, capacity, counts."""
     T, E = logits_TE.shape
-    zl = z_loss(logits_TE, cfg.z_loss_coeff) if cfg.z_loss_coeff and training else logits_TE.new_zeros(())
+    zl = z_loss(logits_TE, cfg.z_loss_coeff) * z_scale if cfg.z_loss_coeff and training else logits_TE.new_zeros(())
     probs_TK, experts_TK = topk_routing(logits_TE, cfg, expert_bias_E)
     keep_TK = None
     if cfg.capacity_factor is not None:
@@ -214,8 +214,10 @@ class TopKRouter(nn.Module):
         training = self.training and torch.is_grad_enabled()
 
         route = _compiled(_route_local) if cfg.compile_router and logits_TE.is_cuda else _route_local
+        # the z-loss is a mean over this rank's tokens; the TP ranks hold shares of the same tokens and their
+        # router gradients are summed (not averaged) over TP, hence 1/tp
         probs_TK, experts_TK, keep_TK, zl, tokens_per_expert_E, num_dropped = route(
-            logits_TE, cfg, self.expert_bias, training)
+            logits_TE, cfg, self.expert_bias, training, 1.0 / self.ctx.tp)
 
         aux = logits_TE.new_zeros(())
         if training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0:
@@ -235,7 +237,8 @@ class TopKRouter(nn.Module):
         # batch) but the token counts are all-reduced. The loss over the whole global batch is therefore the SUM of
         # the per-rank losses over the cp (and, for the global loss, dp) ranks. Gradients get AVERAGED over dp x cp,
         # so multiplying by the size of the summed-over group makes the averaged gradient equal to that of the loss
-        # computed on the whole global batch by one process.
+        # computed on the whole global batch by one process. TP ranks route disjoint shares of the same tokens and
+        # their router gradients are summed over TP, so the tp factor is 1.
         cfg, ctx, E, K = self.cfg, self.ctx, self.cfg.num_experts, self.cfg.topk
         T = logits_TE.shape[0]
         coeff = cfg.aux_loss_coeff

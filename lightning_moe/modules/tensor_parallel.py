@@ -9,6 +9,8 @@ instead: enter with an all-gather, leave with a reduce-scatter (each the other's
 Weights are shards of the full tensors, initialised by ``modules/init.py`` so every layout holds the same model.
 Parameters replicated over TP (norms, the router) get partial gradients under SP, because each rank saw only its
 sequence shard: their gradients must be summed over TP (the test in tests/parallel/test_tp_blocks.py shows it).
+Such parameters carry ``grad_sum_over_tp = True``; ``GradSync`` all-reduces them over tp x dp x cp. Sharded weights
+carry ``tp_shard_dim`` (and ``tp_parts`` when several logical weights are stacked, e.g. SwiGLU's [gate | up]).
 """
 
 from __future__ import annotations
@@ -73,6 +75,70 @@ def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     return reduce_scatter(x.movedim(dim, 0), group).movedim(0, dim)
 
 
+class _SplitSeq(torch.autograd.Function):
+    """Keep this rank's chunk of a TP-replicated tensor; backward all-gathers (the upstream grads are per chunk)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherSeqSplitGrad.apply(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherSeqSplitGrad(torch.autograd.Function):
+    """All-gather chunks into a TP-replicated tensor; backward keeps this rank's chunk of the (replicated) grad."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x.movedim(dim, 0).contiguous(), group).movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SplitSeq.apply(grad, ctx.group, ctx.dim), None, None
+
+
+def split_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Replicated -> this rank's sequence chunk (Megatron's scatter_to_sequence_parallel_region)."""
+    if group is None:
+        return x
+    if x.shape[dim] % dist.get_world_size(group):
+        raise ValueError(f"split_seq: sequence length {x.shape[dim]} is not divisible by the TP size "
+                         f"{dist.get_world_size(group)}")
+    return _SplitSeq.apply(x, group, dim)
+
+
+def gather_seq_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Sequence chunks -> replicated, for consumers that are themselves replicated (grads are not partial sums)."""
+    return x if group is None else _GatherSeqSplitGrad.apply(x, group, dim)
+
+
+def enter_tp_region(x_BSD: torch.Tensor, ctx: ParallelContext, sequence_parallel: Optional[bool] = None
+                    ) -> torch.Tensor:
+    """The full local sequence for layers that compute on TP shards of their weights: all-gather under SP,
+    identity forward / all-reduce backward otherwise. Call once and feed several column-parallel layers."""
+    sp = ctx.sequence_parallel if sequence_parallel is None else sequence_parallel
+    group = ctx.group("tp")
+    return gather_seq(x_BSD, group) if sp else copy_to_tp(x_BSD, group)
+
+
+def tp_shard(full: torch.Tensor, dim: int, rank: int, size: int, parts: int = 1) -> torch.Tensor:
+    """This rank's slice of a full weight: ``parts`` stacked logical weights along ``dim`` are sharded each."""
+    if size == 1:
+        return full
+    return torch.cat([p.chunk(size, dim=dim)[rank] for p in full.chunk(parts, dim=dim)], dim=dim)
+
+
+def mark_grad_sum_over_tp(module: nn.Module, ctx: ParallelContext) -> None:
+    """Parameters replicated over TP whose gradients are partial (each rank saw a share of the tokens or heads)."""
+    if ctx.tp > 1:
+        for p in module.parameters():
+            p.grad_sum_over_tp = True
+
+
 # ------------------------------------------------------------------------------------------------ layers
 def _check_divisible(what: str, n: int, tp: int) -> None:
     if n % tp:
@@ -86,21 +152,34 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, init_std: float = 0.02,
-                 sequence_parallel: Optional[bool] = None):
+                 sequence_parallel: Optional[bool] = None, input_in_region: bool = False,
+                 part_keys: Optional[tuple[str, ...]] = None):
+        """``input_in_region``: the input already went through ``enter_tp_region`` (shared by several layers).
+        ``part_keys``: the weight stacks len(part_keys) logical weights along the output (e.g. SwiGLU's gate and
+        up); each is initialised under its own key and sharded separately, so rank r holds [gate_r | up_r]."""
         super().__init__()
-        _check_divisible("output features", out_features, ctx.tp)
-        self.ctx, self.init_std = ctx, init_std
+        parts = len(part_keys) if part_keys else 1
+        _check_divisible("output features", out_features // parts, ctx.tp)
+        self.ctx, self.init_std, self.part_keys, self.input_in_region = ctx, init_std, part_keys, input_in_region
         self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features // ctx.tp, in_features))
         self.weight.tp_shard_dim = 0
+        if parts > 1:
+            self.weight.tp_parts = parts
 
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:
-        fill_normal_(self.weight, self.init_std, seed, f"{name}.weight", 0, self.ctx.rank("tp"), self.ctx.tp)
+        r, n = self.ctx.rank("tp"), self.ctx.tp
+        if not self.part_keys:
+            fill_normal_(self.weight, self.init_std, seed, f"{name}.weight", 0, r, n)
+            return
+        rows = self.weight.shape[0] // len(self.part_keys)
+        for i, key in enumerate(self.part_keys):
+            fill_normal_(self.weight[i * rows:(i + 1) * rows], self.init_std, seed, f"{name}.{key}", 0, r, n)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        group = self.ctx.group("tp")
-        x_BSD = gather_seq(x_BSD, group) if self.sequence_parallel else copy_to_tp(x_BSD, group)
+        if not self.input_in_region:
+            x_BSD = enter_tp_region(x_BSD, self.ctx, self.sequence_parallel)
         return F.linear(x_BSD, self.weight)
 
 

@@ -1,7 +1,9 @@
 """Gradient synchronisation and clipping for folded layouts.
 
 Loss semantics: the objective is the mean over the dp x cp ranks of each rank's loss. Hence
-  * dense gradients are summed over dp x cp and scaled by 1/(dp*cp);
+  * dense gradients are summed over dp x cp and scaled by 1/(dp*cp); parameters replicated over TP whose gradients
+    are partial on each TP rank (``grad_sum_over_tp``: norms under sequence parallelism, the router, shared q/k
+    norms) are summed over tp x dp x cp in the same single all-reduce, with the same scale;
   * expert gradients already hold the contributions of every rank whose tokens reached the expert (through the
     dispatcher's backward), so they are summed over the expert-data-parallel group and scaled by the same
     1/(dp*cp) -- not 1/edp, the bug class of Megatron-LM #1628.
@@ -28,6 +30,17 @@ from lightning_moe.strategy.parallel_context import ParallelContext
 
 def is_expert_param(p: torch.Tensor) -> bool:
     return bool(getattr(p, "is_expert", False))
+
+
+def grad_group(p: torch.Tensor, ctx: ParallelContext) -> str:
+    """The group a parameter's gradient is summed over."""
+    if is_expert_param(p):
+        return "edp"
+    return "tp_dp_cp" if ctx.tp > 1 and getattr(p, "grad_sum_over_tp", False) else "dp_cp"
+
+
+def is_tp_sharded(p: torch.Tensor, ctx: ParallelContext) -> bool:
+    return ctx.tp > 1 and getattr(p, "tp_shard_dim", None) is not None and not is_expert_param(p)
 
 
 @dataclass
@@ -60,9 +73,9 @@ class GradSync:
         self._seen: set[int] = set()  # params that received a gradient since the last finish() (main_grads mode)
         self.had_main_grad: set[int] = set()  # the same set, frozen by finish() for the optimizer step
         limit = bucket_mb * 2**20
-        by_group: dict[str, list] = {"dp_cp": [], "edp": []}
+        by_group: dict[str, list] = {"dp_cp": [], "tp_dp_cp": [], "edp": []}
         for p in reversed(self.params):  # roughly the order in which backward produces gradients
-            by_group["edp" if is_expert_param(p) else "dp_cp"].append(p)
+            by_group[grad_group(p, ctx)].append(p)
         for name, plist in by_group.items():
             reduce = ctx.size(name) > 1
             if not plist or not (reduce or main_grads):
@@ -199,14 +212,15 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext,
                      norm_type: float = 2.0) -> torch.Tensor:
     """The norm over every distinct parameter of the model, each counted once.
 
-    Dense parameters are replicated over dp x cp (and identical after sync): counted locally. Expert shards differ
-    across the etp x ep group and are replicated over edp: summed over etp_ep.
+    Dense parameters are replicated over dp x cp (and identical after sync): counted locally, except TP shards,
+    which differ across the TP group: summed over tp. Expert shards differ across the etp x ep group and are
+    replicated over edp: summed over etp_ep.
     """
-    dense, expert = [], []
+    dense, sharded, expert = [], [], []
     for p in params:
         if p.grad is not None:
-            (expert if is_expert_param(p) else dense).append(p.grad)
-    ref = (dense or expert)[0]
+            (expert if is_expert_param(p) else sharded if is_tp_sharded(p, ctx) else dense).append(p.grad)
+    ref = (dense or sharded or expert)[0]
     inf = math.isinf(norm_type)
 
     def local(gs):
@@ -217,7 +231,8 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext,
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     expert_part = ctx.all_reduce_(local(expert), "etp_ep", op=op)
-    dense_part = local(dense)
+    sharded_part = ctx.all_reduce_(local(sharded), "tp", op=op)
+    dense_part = torch.maximum(local(dense), sharded_part) if inf else local(dense) + sharded_part
     total = torch.maximum(dense_part, expert_part) if inf else dense_part + expert_part
     return total if inf else total.pow(1.0 / norm_type)
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+PARALLEL_ATTRS = ("is_expert", "tp_shard_dim", "tp_parts", "grad_sum_over_tp")
 
 
 def has_low_precision_params(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
@@ -43,8 +44,10 @@ class MainParams:
                     main = self._main_of.get(id(p))
                     if main is None:
                         main = p.detach().float().clone() if p.dtype in LOW_PRECISION else p
-                        if main is not p:
-                            main.is_expert = getattr(p, "is_expert", False)  # for the global-norm grouping
+                        if main is not p:  # how the gradient is synced and counted in the global norm
+                            for attr in PARALLEL_ATTRS:
+                                if hasattr(p, attr):
+                                    setattr(main, attr, getattr(p, attr))
                         self._main_of[id(p)] = main
                         self.model_params.append(p)
                         self.main_params.append(main)

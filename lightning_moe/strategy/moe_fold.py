@@ -30,7 +30,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
@@ -42,8 +42,6 @@ from lightning_moe.strategy.parallel_context import ParallelContext
 
 # Parallel dimensions whose code has not landed yet, and the feature each needs.
 _NOT_YET = {
-    "tensor_parallel_size": "tensor parallelism (column/row-parallel layers, sequence parallelism)",
-    "context_parallel_size": "context parallelism (zig-zag sharded attention)",
     "pipeline_parallel_size": "pipeline parallelism (1F1B / interleaved schedules)",
 }
 
@@ -91,20 +89,21 @@ class MoEFoldStrategy(ParallelStrategy):
         for name, feature in _NOT_YET.items():
             if sizes[name] > 1:
                 raise NotImplementedError(f"MoEFoldStrategy({name}={sizes[name]}) needs {feature}, which has not "
-                                          "landed yet. Only expert parallelism (EP, ETP) folded over data "
-                                          "parallelism is available now.")
+                                          "landed yet.")
         if virtual_pipeline_size is not None:
             raise NotImplementedError("MoEFoldStrategy(virtual_pipeline_size=...) needs interleaved pipeline "
                                       "schedules, which have not landed yet.")
         if num_microbatches > 1:
             raise NotImplementedError("MoEFoldStrategy(num_microbatches>1) is for pipeline schedules, which have "
                                       "not landed yet; use Trainer(accumulate_grad_batches=...) instead.")
-        if sequence_parallel:
-            raise NotImplementedError("MoEFoldStrategy(sequence_parallel=True) needs tensor parallelism, which has "
-                                      "not landed yet.")
+        if sequence_parallel and tensor_parallel_size == 1:
+            rank_zero_warn("MoEFoldStrategy(sequence_parallel=True) has no effect without tensor parallelism "
+                           "(tensor_parallel_size=1); it is turned off.")
+            sequence_parallel = False
         self.tp, self.cp, self.pp = tensor_parallel_size, context_parallel_size, pipeline_parallel_size
         self.ep, self.etp, self.vpp = expert_parallel_size, expert_tensor_parallel_size, virtual_pipeline_size
         self.num_microbatches = num_microbatches
+        # Megatron's recommendation: with TP, shard norms/residuals over the sequence too (less memory and compute)
         self.sequence_parallel = bool(sequence_parallel) if sequence_parallel is not None else self.tp > 1
         self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
         self.fp32_main_params = fp32_main_params
@@ -163,6 +162,9 @@ class MoEFoldStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         self.layout = self._make_layout(self.world_size)  # raises before any process group is created
+        check = getattr(self.lightning_module, "check_layout", None)
+        if check is not None:  # the model's own divisibility checks, also before any process group
+            check(self.layout)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device)
         kwargs: dict[str, Any] = {"timeout": self._timeout}

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from lightning_moe.modules.experts import GroupedExperts, SwiGLU, grouped_mm
+from lightning_moe.modules.init import init_weights
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -161,11 +162,15 @@ def test_grouped_experts_backward_with_expanded_grad():
 
 
 # ------------------------------------------------------------------------------------------ dense SwiGLU
+def _init(m, seed, name):
+    init_weights(torch.nn.ModuleDict({name: m}), seed)  # as the model does: every submodule under its own name
+
+
 def test_swiglu_matches_formula():
     torch.manual_seed(6)
     D, Fh = 12, 20
     m = SwiGLU(D, Fh, init_std=0.3, out_std=0.3)
-    m.reset_parameters_sharded(7, "mlp")
+    _init(m, 7, "mlp")
     x = torch.randn(2, 5, D)
     gate_w, up_w = m.w13.weight[:Fh], m.w13.weight[Fh:]  # nn.Linear stores (out, in)
     expected = (F.silu(x @ gate_w.T) * (x @ up_w.T)) @ m.w2.weight.T
@@ -177,9 +182,9 @@ def test_swiglu_matches_formula():
 
 def test_swiglu_init_is_seeded_and_named():
     a, b, c = SwiGLU(8, 16), SwiGLU(8, 16), SwiGLU(8, 16)
-    a.reset_parameters_sharded(3, "x")
-    b.reset_parameters_sharded(3, "x")
-    c.reset_parameters_sharded(3, "y")
+    _init(a, 3, "x")
+    _init(b, 3, "x")
+    _init(c, 3, "y")
     assert torch.equal(a.w13.weight, b.w13.weight) and torch.equal(a.w2.weight, b.w2.weight)
     assert not torch.equal(a.w13.weight, c.w13.weight)
     assert abs(a.w13.weight.std().item() - 0.02) < 0.005

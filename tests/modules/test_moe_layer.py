@@ -229,7 +229,7 @@ def test_shared_experts_are_added():
     with_shared = make_layer(cfg_(shared_expert_ffn_size=20))
     without = make_layer(cfg_())
     assert isinstance(with_shared.shared_experts, SwiGLU) and without.shared_experts is None
-    assert with_shared.shared_experts.w2.in_features == 20
+    assert with_shared.shared_experts.w2.weight.shape[1] == 20
     # same names, same seed: identical router and routed experts
     assert torch.equal(with_shared.experts.w13, without.experts.w13)
     assert torch.equal(with_shared.router.weight, without.router.weight)

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_moe.modules.tensor_parallel import tp_shard
+
 import os
 
 # LMOE_PARITY_ACCELERATOR=gpu runs the same cases over NCCL on GPUs (the reference on GPU 0); CI uses gloo on CPU
@@ -30,12 +32,20 @@ class Case:
     world: int
     ep: int = 1
     etp: int = 1
+    tp: int = 1
+    cp: int = 1
+    sp: Optional[bool] = None  # sequence parallelism (MoEFoldStrategy's default: on when tp > 1)
     model: dict = field(default_factory=dict)
     accumulate: int = 1  # gradient accumulation on both sides
     strategy: dict = field(default_factory=dict)  # extra MoEFoldStrategy arguments
     precision: str = "32-true"  # "bf16-true": bf16 weights with fp32 main params and grads on both sides
     tol: Optional[dict] = None  # per-case tolerances (bf16 compute differs by layout in its rounding)
     lr: float = 1e-2
+    adam_eps: float = 1e-8
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.cp)
 
     @property
     def dropping(self) -> bool:
@@ -58,7 +68,9 @@ class Recorder(L.Callback):
         self.grads: Optional[dict] = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._acc += float(outputs["loss"])  # already divided by accumulate_grad_batches
+        # lm_loss + aux_loss (summed over TP): the same number on every layout; outputs["loss"] holds this rank's
+        # share of the aux loss under TP
+        self._acc += float(outputs["lm_loss"] + outputs["aux_loss"]) / trainer.accumulate_grad_batches
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.losses.append(self._acc)
             self._acc = 0.0
@@ -73,17 +85,19 @@ def model_kwargs(case: Case) -> dict:
     overrides = dict(seq_length=SEQ, num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                      ffn_hidden_size=64, moe_ffn_hidden_size=32, num_experts=8, topk=2, z_loss_coeff=1e-3)
     overrides.update(case.model)
-    return dict(preset="tiny", overrides=overrides, lr=case.lr, warmup_steps=1, max_steps=STEPS, seed=7,
+    return dict(preset="tiny", overrides=overrides, lr=case.lr, eps=case.adam_eps, warmup_steps=1, max_steps=STEPS, seed=7,
                 log_expert_load=False)
 
 
 def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
     L.seed_everything(0, verbose=False)
-    dp = case.world  # TP = CP = PP = 1 here, so every rank is a data-parallel rank
+    dp = case.dp
     if parallel:
         strategy, devices, bs, accumulate = MoEFoldStrategy(expert_parallel_size=case.ep,
                                                             expert_tensor_parallel_size=case.etp,
+                                                            tensor_parallel_size=case.tp,
+                                                            context_parallel_size=case.cp, sequence_parallel=case.sp,
                                                             timeout=120, **case.strategy), case.world, \
             GLOBAL_BATCH // dp, 1
     elif case.precision != "32-true":
@@ -105,21 +119,25 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=SEQ, batch_size=bs, seed=3))
     losses = torch.tensor(rec.losses, dtype=torch.float64, device=trainer.strategy.root_device)
     if parallel:
-        dist.all_reduce(losses)  # the objective is the mean over data-parallel ranks
-        losses /= dp
+        dist.all_reduce(losses)  # the objective is the mean over dp x cp ranks (TP ranks hold the same value)
+        losses /= case.world
     state = {n: t.detach().cpu().clone() for n, t in model.model.state_dict().items()}
     main = getattr(trainer.strategy, "_main_params", None)
     if main is not None:  # compare the fp32 main weights, not their bf16 rounding
         for n, p in model.model.named_parameters():
             state[n] = main.main_of(p).detach().cpu().clone()
     grads = {n: g.cpu() for n, g in rec.grads.items()}
-    return {"losses": losses.cpu(), "grads": grads, "state": state, "ctx": model.parallel_context}
+    specs = {n: (getattr(p, "tp_shard_dim", None), getattr(p, "tp_parts", 1))
+             for n, p in model.model.named_parameters()}
+    return {"losses": losses.cpu(), "grads": grads, "state": state, "ctx": model.parallel_context, "specs": specs}
 
 
-def reference_slice(name: str, full: torch.Tensor, ctx, num_experts: int) -> torch.Tensor:
-    """The part of a full reference tensor that this rank holds (experts by EP rank, FFN columns by ETP rank)."""
+def reference_slice(name: str, full: torch.Tensor, ctx, num_experts: int, spec=(None, 1)) -> torch.Tensor:
+    """The part of a full reference tensor that this rank holds (experts by EP rank, FFN columns by ETP rank, TP
+    shards of dense weights by TP rank)."""
     if ".experts." not in name:
-        return full
+        dim, parts = spec
+        return full if dim is None else tp_shard(full, dim, ctx.rank("tp"), ctx.tp, parts)
     L_ = num_experts // ctx.ep
     e0 = ctx.rank("ep") * L_
     r, n = ctx.rank("etp"), ctx.etp
@@ -146,7 +164,8 @@ def compare(run: dict, ref: dict, num_experts: int) -> dict:
     for kind in ("grads", "state"):
         worst = (0.0, 0.0, "")
         for name, t in run[kind].items():
-            a, r = _diff(t, reference_slice(name, ref[kind][name], ctx, num_experts))
+            a, r = _diff(t, reference_slice(name, ref[kind][name], ctx, num_experts,
+                                            run["specs"].get(name, (None, 1))))
             if r >= worst[1]:
                 worst = (a, r, name)
         out[kind] = worst
@@ -168,3 +187,39 @@ def parallel_worker(rank: int, world: int, cases: list, refs_path: str, tokens: 
 
 def run_num_experts(case: Case) -> int:
     return case.model.get("num_experts", 8)
+
+
+def run_cases(cases: list, root) -> dict:
+    """References on one process, then every case of each world size on that many spawned ranks. Returns
+    ``{"ref": {name: reference run}, name: [per-rank comparison]}``."""
+    from tests.parallel.harness import run_ranks
+    tokens = make_tokens(str(root / "tokens.bin"))
+    refs = {c.name: train(c, tokens, str(root / "ref"), parallel=False) for c in cases}
+    for r in refs.values():
+        r.pop("ctx")
+    refs_path = str(root / "refs.pt")
+    torch.save(refs, refs_path)
+    out: dict = {"ref": refs}
+    for world in sorted({c.world for c in cases}):
+        group = [c for c in cases if c.world == world]
+        rank_dir = root / f"w{world}"
+        rank_dir.mkdir()
+        per_rank = run_ranks(parallel_worker, world, group, refs_path, tokens, str(root / f"run{world}"),
+                             out_dir=str(rank_dir))
+        for c in group:
+            out[c.name] = [r[c.name] for r in per_rank]
+    return out
+
+
+def check_case(case: Case, per_rank: list, tol: dict) -> None:
+    """Assert every rank's loss, gradients and parameters are within ``case.tol or tol`` of the reference."""
+    for rank, res in enumerate(per_rank):
+        print(f"{case.name} rank{rank}: " + ", ".join(f"{k} abs={res[k][0]:.2e} rel={res[k][1]:.2e}" for k in tol))
+        for key, bound in (case.tol or tol).items():
+            abs_, rel = res[key][:2]
+            assert rel <= bound, (f"{case.name} rank {rank}: {key} differs from the 1-process reference: max abs "
+                                  f"{abs_:.3e}, rel {rel:.3e} (worst: {res[key][2] if key != 'loss' else ''}); "
+                                  f"losses {res['losses']}")
+        assert res["expert_bias_exact"], f"{case.name} rank {rank}: expert bias differs from the reference"
+        if case.model.get("expert_bias"):
+            assert res["expert_bias_moved"], "the expert-bias update never ran: the test would prove nothing"

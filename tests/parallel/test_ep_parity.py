@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.harness import run_ranks
-from tests.parallel.parity import ACCELERATOR, Case, make_tokens, parallel_worker, train
+from tests.parallel.parity import ACCELERATOR, Case, check_case, run_cases
 
 GLOBAL = dict(score_function="sigmoid", expert_bias=True, bias_update_rate=1e-2, load_balancing="global_aux_loss")
 CAP = dict(capacity_factor=1.0, drop_policy="probs")
@@ -58,35 +57,9 @@ if ACCELERATOR == "gpu":  # measured on 2 H200s: params after 3 steps up to 1.4e
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parity")
-    tokens = make_tokens(str(root / "tokens.bin"))
-    refs = {c.name: train(c, tokens, str(root / "ref"), parallel=False) for c in CASES}
-    for r in refs.values():
-        r.pop("ctx")
-    refs_path = str(root / "refs.pt")
-    torch.save(refs, refs_path)
-    out = {}
-    for world in sorted({c.world for c in CASES}):
-        cases = [c for c in CASES if c.world == world]
-        rank_dir = root / f"w{world}"
-        rank_dir.mkdir()
-        per_rank = run_ranks(parallel_worker, world, cases, refs_path, tokens, str(root / f"run{world}"),
-                             out_dir=str(rank_dir))
-        for c in cases:
-            out[c.name] = [r[c.name] for r in per_rank]
-    return out
+    return run_cases(CASES, tmp_path_factory.mktemp("parity"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_parity(results, case):
-    per_rank = results[case.name]
-    for rank, res in enumerate(per_rank):
-        print(f"{case.name} rank{rank}: " + ", ".join(f"{k} abs={res[k][0]:.2e} rel={res[k][1]:.2e}" for k in TOL))
-        for key, tol in (case.tol or TOL).items():
-            abs_, rel = res[key][:2]
-            assert rel <= tol, (f"{case.name} rank {rank}: {key} differs from the 1-process reference: max abs "
-                                f"{abs_:.3e}, rel {rel:.3e} (worst: {res[key][2] if key != 'loss' else ''}); "
-                                f"losses {res['losses']}")
-        assert res["expert_bias_exact"], f"{case.name} rank {rank}: expert bias differs from the reference"
-        if case.model.get("expert_bias"):
-            assert res["expert_bias_moved"], "the expert-bias update never ran: the test would prove nothing"
+    check_case(case, results[case.name], TOL)

@@ -24,12 +24,9 @@ def test_impossible_layout_fails_at_trainer_construction(kwargs, devices, match)
 
 
 @pytest.mark.parametrize("kwargs,feature", [
-    (dict(tensor_parallel_size=2), "tensor parallelism"),
-    (dict(context_parallel_size=2), "context parallelism"),
     (dict(pipeline_parallel_size=2), "pipeline parallelism"),
     (dict(virtual_pipeline_size=2), "interleaved pipeline"),
     (dict(num_microbatches=4), "accumulate_grad_batches"),
-    (dict(sequence_parallel=True), "tensor parallelism"),
 ])
 def test_not_yet_landed_sizes_raise(kwargs, feature):
     with pytest.raises(NotImplementedError, match=feature):
@@ -46,3 +43,11 @@ def test_public_api():
     for name in ("MoEFoldStrategy", "MoELanguageModel", "ModelConfig", "ParallelContext", "TokenDataModule",
                  "TokenDispatcher", "build_layout"):
         assert hasattr(lightning_moe, name)
+
+
+def test_sequence_parallel_defaults():
+    assert MoEFoldStrategy(tensor_parallel_size=2).sequence_parallel  # Megatron's recommendation with TP
+    assert not MoEFoldStrategy(tensor_parallel_size=2, sequence_parallel=False).sequence_parallel
+    assert not MoEFoldStrategy().sequence_parallel
+    with pytest.warns(UserWarning, match="no effect without tensor parallelism"):
+        assert not MoEFoldStrategy(sequence_parallel=True).sequence_parallel

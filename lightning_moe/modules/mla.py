@@ -1,0 +1,102 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), tensor-parallel.
+
+Queries (optionally through a low-rank ``q_lora_rank`` bottleneck) and keys/values through a shared latent of
+``kv_lora_rank`` plus one RoPE key of ``qk_rope_head_dim`` shared by all heads:
+
+    q      = W_qb · norm(W_qa · x)                 (H, nope + rope) per token   [or W_q · x without q LoRA]
+    c, k_r = W_kva · x                            latent (kv_lora) and the shared rope key (rope)
+    k, v   = W_kvb · norm(c)                      (H, nope) keys and (H, v) values per token
+    o      = W_o · attn([q_nope, rope(q_r)], [k_nope, rope(k_r)], v)
+
+Under TP the up-projections (W_qb, W_kvb) are column-parallel over heads and W_o row-parallel. The down-projections
+and latent norms are small and replicated, as in Megatron; they see the full (gathered) sequence, but each rank
+back-propagates only through its own heads, so their gradients are summed over TP (``grad_sum_over_tp``).
+
+RoPE uses the rotate-half layout; DeepSeek checkpoints store the interleaved layout, which is a fixed permutation
+of the rope rows of W_qb and W_kva (for checkpoint import). YaRN scaling is not applied (pre-training length).
+
+Shapes: B batch, S local sequence, D hidden, H local heads, N nope dim, R rope dim, V value dim, Q q_lora, C kv_lora.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lightning_moe.modules.attention import RotaryCache, apply_rope, check_attention_tp
+from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.context_parallel import context_parallel_attention
+from lightning_moe.modules.init import fill_normal_
+from lightning_moe.modules.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
+                                                   mark_grad_sum_over_tp)
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+def check_mla_config(cfg: ModelConfig) -> None:
+    missing = [n for n in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+               if not getattr(cfg, n)]
+    if missing:
+        raise ValueError(f"ModelConfig: attention_type='mla' needs {', '.join(missing)} to be set")
+    if cfg.qk_rope_head_dim % 2:
+        raise ValueError(f"ModelConfig.qk_rope_head_dim: must be even for RoPE, got {cfg.qk_rope_head_dim}")
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
+        super().__init__()
+        check_mla_config(cfg)
+        check_attention_tp(cfg, ctx.tp)
+        self.cfg, self.ctx = cfg, ctx
+        D, H_full, std = cfg.hidden_size, cfg.num_attention_heads, cfg.init_std
+        self.n_heads = H_full // ctx.tp
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        qk = self.nope + self.rope_dim
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+            self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, H_full * qk, ctx, std, input_in_region=True)
+            replicated = [self.wq_a, self.q_a_norm]
+        else:
+            self.wq = ColumnParallelLinear(D, H_full * qk, ctx, std, input_in_region=True)
+            replicated = []
+        self.wkv_a = nn.Linear(D, self.kv_lora + self.rope_dim, bias=False)
+        self.kv_a_norm = nn.RMSNorm(self.kv_lora, eps=cfg.norm_eps)
+        self.wkv_b = ColumnParallelLinear(self.kv_lora, H_full * (self.nope + self.v_dim), ctx, std,
+                                          input_in_region=True)
+        self.wo = RowParallelLinear(H_full * self.v_dim, D, ctx, out_std)
+        for m in replicated + [self.wkv_a, self.kv_a_norm]:
+            mark_grad_sum_over_tp(m, ctx)
+        self.scale = 1.0 / math.sqrt(qk)
+        self.rope = RotaryCache(self.rope_dim, cfg.rope_theta, cfg.seq_length)
+
+    @torch.no_grad()
+    def reset_parameters_sharded(self, seed: int, name: str) -> None:
+        # the replicated down-projections are plain nn.Linear: the same full weight on every rank
+        if self.cfg.q_lora_rank:
+            fill_normal_(self.wq_a.weight, self.cfg.init_std, seed, f"{name}.wq_a.weight")
+        fill_normal_(self.wkv_a.weight, self.cfg.init_std, seed, f"{name}.wkv_a.weight")
+
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+        x_BSD = enter_tp_region(x_BSD, self.ctx)
+        B, S, _ = x_BSD.shape
+        H, N, R, V = self.n_heads, self.nope, self.rope_dim, self.v_dim
+        if self.cfg.q_lora_rank:
+            q_BSX = self.wq_b(self.q_a_norm(self.wq_a(x_BSD)))
+        else:
+            q_BSX = self.wq(x_BSD)
+        q_BHSK = q_BSX.view(B, S, H, N + R).transpose(1, 2)
+        c_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora, R], dim=-1)
+        kv_BHSX = self.wkv_b(self.kv_a_norm(c_BSC)).view(B, S, H, N + V).transpose(1, 2)
+        k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
+        cos, sin = self.rope(positions_S)
+        q_nope_BHSN, q_rope_BHSR = q_BHSK.split([N, R], dim=-1)
+        q_BHSK = torch.cat([q_nope_BHSN, apply_rope(q_rope_BHSR, cos, sin)], dim=-1)
+        k_rope_B1SR = apply_rope(k_rope_BSR.unsqueeze(1), cos, sin)
+        k_BHSK = torch.cat([k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)], dim=-1)
+        ctx = self.ctx
+        o_BHSV = context_parallel_attention(q_BHSK, k_BHSK, v_BHSV, ctx.group("cp"), ctx.rank("cp"), ctx.cp,
+                                            scale=self.scale)
+        return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, H * V))
