@@ -151,6 +151,14 @@ class StepTimer(L.Callback):
 
 
 # ------------------------------------------------------------------------------------------------ one run
+def strategy_kwargs(args) -> dict:
+    kw = dict(expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp, tensor_parallel_size=args.tp,
+              context_parallel_size=args.cp)
+    if args.sp is not None:
+        kw["sequence_parallel"] = bool(args.sp)
+    return kw
+
+
 def run_one(args, preset: str) -> dict:
     device = pick_device(args.smoke)
     d = PRESET_DEFAULTS.get(preset, {})
@@ -196,7 +204,7 @@ def run_one(args, preset: str) -> dict:
                                  log_expert_load=False, seed=args.seed)
         timer = StepTimer(device, warmup, steps)
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
-                            strategy=MoEFoldStrategy(expert_parallel_size=args.ep), precision=precision,
+                            strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
                             max_steps=steps,
                             accumulate_grad_batches=args.accumulate,
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
@@ -217,7 +225,8 @@ def run_one(args, preset: str) -> dict:
         else:
             rec["peak_mem_gib"] = rec["peak_mem_reserved_gib"] = None
 
-    tokens_per_step = batch * seq * args.accumulate * args.devices  # global: every device is a DP rank
+    dp = args.devices // (args.tp * args.cp)  # TP and CP ranks share their data-parallel rank's samples
+    tokens_per_step = batch * seq * args.accumulate * dp  # global
     st = rec["step_time_s"]
     tps = tokens_per_step / st if st else None
     tfl = fpt * tps / 1e12 / args.devices if tps else None  # per GPU
@@ -227,7 +236,8 @@ def run_one(args, preset: str) -> dict:
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
            "dispatcher": cfg.dispatcher, "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None,
            "compile": False, "devices": args.devices,
-           "strategy": f"MoEFoldStrategy(expert_parallel_size={args.ep})", **counts,
+           "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
+           **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
            "flops_per_token_check": fboth, "tflops_per_gpu": tfl,
            "mfu": tfl / DENSE_BF16_PEAK_TFLOPS if tfl else None, "mfu_peak_tflops": DENSE_BF16_PEAK_TFLOPS}
@@ -245,6 +255,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         for flag, value in (("--layers", args.layers), ("--vocab", args.vocab), ("--seq", args.seq),
                             ("--batch", args.batch), ("--steps", args.steps), ("--warmup-steps", args.warmup_steps),
                             ("--accumulate", args.accumulate), ("--devices", args.devices), ("--ep", args.ep),
+                            ("--etp", args.etp), ("--tp", args.tp), ("--cp", args.cp), ("--sp", args.sp),
                             ("--precision", args.precision), ("--dispatcher", args.dispatcher)):
             if value is not None:
                 cmd += [flag, str(value)]
@@ -278,6 +289,10 @@ def main(argv=None) -> dict:
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, folded over the data-parallel ranks")
+    p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel size")
+    p.add_argument("--tp", type=int, default=1, help="attention tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="attention context-parallel size")
+    p.add_argument("--sp", type=int, default=None, choices=[0, 1], help="sequence parallelism (default: on with TP)")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")
     p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")
