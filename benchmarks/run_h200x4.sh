@@ -2,7 +2,7 @@
 # Four GPUs: gpu-marked tests, the TP/CP/EP folding parity cases over NCCL, and folded-layout model throughput
 # against one GPU of the same machine. Usage (repo root): OUT=outdir PART=a|b bash benchmarks/run_h200x4.sh
 #   PART=a: tests, parity, qwen3-30b-a3b (4 layers) on 1 GPU and three 4-GPU layouts
-#   PART=b: mixtral-8x7b (2 layers) on 1 GPU and two 4-GPU layouts
+#   PART=b: mixtral-8x7b (2 layers) on 1 GPU and two 4-GPU layouts; TP2 layouts again with the 1-GPU tokens/GPU
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
 PART=${PART:-a}
@@ -34,5 +34,6 @@ else
   M="--preset mixtral-8x7b"
   model mixtral_1gpu $M --devices 1
   model mixtral_dp4_ep4 $M --devices 4 --ep 4
-  model mixtral_tp2dp2_ep4 $M --devices 4 --tp 2 --ep 4
+  model mixtral_tp2dp2_ep4_b2 $M --devices 4 --tp 2 --ep 4 --batch 2  # the 1-GPU tokens per GPU
+  model qwen3_tp2dp2_ep4_b4 --preset qwen3-30b-a3b --devices 4 --tp 2 --ep 4 --batch 4
 fi
