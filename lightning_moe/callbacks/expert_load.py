@@ -46,8 +46,8 @@ class ExpertLoadMonitor(L.Callback):
     token fractions of each layer.
 
     The counts are those of the logged optimizer step: every micro-batch of it, summed, then all-reduced (SUM) over
-    the attention layout's ``tp_dp_cp`` group, so the numbers describe the global batch. TP (and CP) peers that route
-    the same tokens scale every count by the same factor, which the ratios reported here do not see. All counters
+    the attention layout's ``tp_dp_cp`` group, so the numbers describe the global batch: TP ranks route disjoint
+    shares of their tokens and CP ranks disjoint chunks of each sequence, so every token is counted once. All counters
     stay on the device: the one all-reduce and the host reads happen at logging steps only. Under pipeline
     parallelism each stage reports its own layers.
 

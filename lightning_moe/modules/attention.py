@@ -41,9 +41,10 @@ class RotaryCache:
         self.dim, self.theta, self.min_len = dim, theta, min_len
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # sizes come from the (static) sequence length, not from the positions' values: no host sync
-        need, dev = max(positions_S.shape[0], self.min_len), positions_S.device
+    def __call__(self, positions_S: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq_len``: the full (global) sequence length; under CP the positions of a rank's chunks reach it.
+        Sizes come from it, not from the positions' values: no host sync."""
+        need, dev = max(seq_len, self.min_len), positions_S.device
         if self._table is None or self._table[0].shape[0] < need or self._table[0].device != dev:
             # built outside inference mode: a table first made by trainer.validate() must still serve training
             with torch.inference_mode(False), torch.no_grad():
@@ -88,7 +89,7 @@ class Attention(nn.Module):
         v_BGSDh = self.wv(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
-        cos, sin = self.rope(positions_S)
+        cos, sin = self.rope(positions_S, S * self.ctx.cp)
         q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BGSDh, cos, sin)
         ctx = self.ctx
         o_BHSDh = context_parallel_attention(q_BHSDh, k_BGSDh, v_BGSDh, ctx.group("cp"), ctx.rank("cp"), ctx.cp)

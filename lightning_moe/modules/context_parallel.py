@@ -132,12 +132,22 @@ def _merge(parts):
 
 
 class _ZigzagAttention(torch.autograd.Function):
+    # K/V arrive with their G (kv) heads and are saved that way: the H-head expansion (GQA) and the padding of v
+    # (MLA) are rebuilt in backward, so a CP rank keeps no more K/V than the gathered G heads
     @staticmethod
-    def forward(ctx, q, k, v, cp, rank, scale, backend):
-        fwd, _, same_dims = _BACKENDS[backend]
-        Fv = v.shape[-1]
+    def _expand(q, k, v, same_dims):
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         if same_dims:  # MLA (F < E): zero columns of v give zero output columns, sliced off below
             v = _pad_last(v, q.shape[-1])
+        return k, v
+
+    @staticmethod
+    def forward(ctx, q, k_G, v_G, cp, rank, scale, backend):
+        fwd, _, same_dims = _BACKENDS[backend]
+        Fv = v_G.shape[-1]
+        k, v = _ZigzagAttention._expand(q, k_G, v_G, same_dims)
         L = q.shape[2] // 2
         outs, lses = [], []
         for i, c in enumerate(_chunks(cp, rank)):
@@ -149,15 +159,16 @@ class _ZigzagAttention(torch.autograd.Function):
             outs.append(o_c)
             lses.append(lse_c)
         o = torch.cat(outs, 2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, torch.stack(lses))  # lse stacked so each chunk's slice is contiguous
+        ctx.save_for_backward(q, k_G, v_G, o, torch.stack(lses))  # lse stacked: each chunk's slice contiguous
         ctx.cfg = (cp, rank, scale, backend, Fv)
         return o if Fv == o.shape[-1] else o[..., :Fv].contiguous()
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse_2BHL = ctx.saved_tensors
+        q, k_G, v_G, o, lse_2BHL = ctx.saved_tensors
         cp, rank, scale, backend, Fv = ctx.cfg
-        bwd = _BACKENDS[backend][1]
+        bwd, same_dims = _BACKENDS[backend][1], _BACKENDS[backend][2]
+        k, v = _ZigzagAttention._expand(q, k_G, v_G, same_dims)
         do = _pad_last(do.to(q.dtype).contiguous(), v.shape[-1])  # e.g. sum() gives a 0-stride grad
         acc, L = lse_2BHL.dtype, q.shape[2] // 2
         dq = torch.empty_like(q, dtype=acc)
@@ -177,12 +188,15 @@ class _ZigzagAttention(torch.autograd.Function):
                 dq[:, :, rows] += dq_c
                 dk[:, :, :c * L] += dk_c
                 dv[:, :, :c * L] += dv_c
-        return dq.to(q.dtype), dk.to(k.dtype), dv[..., :Fv].to(v.dtype), None, None, None, None
+        B, G, S = k_G.shape[:3]
+        dk = dk.view(B, G, -1, S, dk.shape[-1]).sum(2)  # repeat_interleave: head h belongs to group h // rep
+        dv = dv[..., :Fv].reshape(B, G, -1, S, Fv).sum(2)
+        return dq.to(q.dtype), dk.to(k_G.dtype), dv.to(v_G.dtype), None, None, None, None
 
 
 def zigzag_attention_local(q_BHsE, k_BHSE, v_BHSF, cp_size: int, cp_rank: int, scale: float | None = None,
                            backend: str | None = None) -> torch.Tensor:
-    """Causal attention of this rank's zig-zag queries over the full, natural-order, head-expanded K/V."""
+    """Causal attention of this rank's zig-zag queries over the full, natural-order K/V (H or G heads, G | H)."""
     S = k_BHSE.shape[2]
     check_cp_seq_len(S, max(cp_size, 1))
     if q_BHsE.shape[2] * cp_size != S or S % 2:
@@ -203,6 +217,5 @@ def context_parallel_attention(q_BHsE, k_BGsE, v_BGsF, group, cp_rank: int, cp_s
     kv_sBGD = torch.cat([k_BGsE, v_BGsF], -1).movedim(2, 0)
     kv_BGSD = zigzag_unshard(comm.all_gather(kv_sBGD, group), cp_size, dim=0).movedim(0, 2)
     k_BGSE, v_BGSF = kv_BGSD.split([E, v_BGsF.shape[-1]], -1)
-    if G != H:  # expanded after the gather, so only G heads travel; autograd sums the head gradients back
-        k_BGSE, v_BGSF = k_BGSE.repeat_interleave(H // G, 1), v_BGSF.repeat_interleave(H // G, 1)
+    # only G heads travel and are kept for backward; the kernels see them expanded to H inside the Function
     return zigzag_attention_local(q_BHsE, k_BGSE, v_BGSF, cp_size, cp_rank, scale, backend)

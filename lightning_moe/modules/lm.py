@@ -91,12 +91,16 @@ class MoELanguageModel(L.LightningModule):
         bs = batch["input_ids"].shape[0]
         # the mean over data-parallel ranks: the same number on every layout (one small all-reduce per step)
         self.log("train_loss", lm_loss, prog_bar=True, batch_size=bs, sync_dist=True)
-        aux_report = aux.detach().clone()
-        self.model.ctx.all_reduce_(aux_report, "tp")
-        if self.model.moe_layers():
-            stats = [m.last_stats for m in self.model.moe_layers()]
-            self.log("aux_loss", torch.stack([s["aux_loss"] for s in stats]).sum(), batch_size=bs)
-            self.log("z_loss", torch.stack([s["z_loss"] for s in stats]).sum(), batch_size=bs)
+        # [total aux, load-balancing part, z part], summed over TP in one scalar all-reduce (a no-op without TP)
+        parts = [aux.detach()]
+        stats = [m.last_stats for m in self.model.moe_layers()]
+        if stats:
+            parts += [torch.stack([s[k] for s in stats]).sum().to(aux.dtype) for k in ("aux_loss", "z_loss")]
+        reported = self.model.ctx.all_reduce_(torch.stack(parts), "tp")
+        aux_report = reported[0]
+        if stats:
+            self.log("aux_loss", reported[1], batch_size=bs)
+            self.log("z_loss", reported[2], batch_size=bs)
             if self.hparams.log_expert_load and self._writes_logs_now():
                 self.log_dict(self.expert_load_metrics(), batch_size=bs)
         return {"loss": lm_loss + aux, "lm_loss": lm_loss.detach(), "aux_loss": aux_report}

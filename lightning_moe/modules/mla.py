@@ -91,7 +91,7 @@ class MLAttention(nn.Module):
         c_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora, R], dim=-1)
         kv_BHSX = self.wkv_b(self.kv_a_norm(c_BSC)).view(B, S, H, N + V).transpose(1, 2)
         k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
-        cos, sin = self.rope(positions_S)
+        cos, sin = self.rope(positions_S, S * self.ctx.cp)
         q_nope_BHSN, q_rope_BHSR = q_BHSK.split([N, R], dim=-1)
         q_BHSK = torch.cat([q_nope_BHSN, apply_rope(q_rope_BHSR, cos, sin)], dim=-1)
         k_rope_B1SR = apply_rope(k_rope_BSR.unsqueeze(1), cos, sin)

@@ -244,8 +244,9 @@ class _VocabParallelCE(torch.autograd.Function):
     """Cross-entropy over vocab-sharded logits without gathering them: three all-reduces of (N,) vectors."""
 
     @staticmethod
-    def forward(ctx, logits_NV, target_N, vocab_start, group):
+    def forward(ctx, logits_NV, target_N, vocab_start, group, ignore_index):
         logits_NV = logits_NV.float()
+        valid_N = target_N != ignore_index
         max_N = logits_NV.max(dim=-1).values
         dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
         shifted_NV = logits_NV - max_N.unsqueeze(-1)
@@ -258,28 +259,30 @@ class _VocabParallelCE(torch.autograd.Function):
         both = torch.stack([target_logit_N, sum_exp_N])
         dist.all_reduce(both, group=group)
         target_logit_N, sum_exp_N = both[0], both[1]
-        loss_N = sum_exp_N.log() - target_logit_N
-        ctx.save_for_backward(exp_NV.div_(sum_exp_N.unsqueeze(-1)), idx_N, inside_N)
+        loss_N = (sum_exp_N.log() - target_logit_N) * valid_N
+        ctx.save_for_backward(exp_NV.div_(sum_exp_N.unsqueeze(-1)), idx_N, inside_N, valid_N)
         return loss_N
 
     @staticmethod
     def backward(ctx, grad_N):
-        softmax_NV, idx_N, inside_N = ctx.saved_tensors
+        softmax_NV, idx_N, inside_N, valid_N = ctx.saved_tensors
         grad_NV = softmax_NV.clone()
         grad_NV.scatter_add_(1, idx_N.unsqueeze(1), -inside_N.to(grad_NV.dtype).unsqueeze(1))
-        return grad_NV * grad_N.unsqueeze(-1), None, None, None
+        return grad_NV * (grad_N * valid_N).unsqueeze(-1), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_NV: torch.Tensor, target_N: torch.Tensor, ctx: ParallelContext,
-                                 reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy`` of the full-vocabulary logits, given this rank's vocab shard (fp32 math)."""
+                                 reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy`` of the full-vocabulary logits, given this rank's vocab shard (fp32 math). Targets equal
+    to ``ignore_index`` count for nothing, as in ``F.cross_entropy``; targets outside the vocabulary are not
+    checked under TP (that would need a host sync)."""
     group = ctx.group("tp")
     if group is None:
-        return F.cross_entropy(logits_NV.float(), target_N, reduction=reduction)
+        return F.cross_entropy(logits_NV.float(), target_N, reduction=reduction, ignore_index=ignore_index)
     vocab_start = ctx.rank("tp") * logits_NV.shape[-1]
-    loss_N = _VocabParallelCE.apply(logits_NV, target_N, vocab_start, group)
-    if reduction == "mean":
-        return loss_N.mean()
+    loss_N = _VocabParallelCE.apply(logits_NV, target_N, vocab_start, group, ignore_index)
+    if reduction == "mean":  # over the targets that count (NaN when none does, as F.cross_entropy)
+        return loss_N.sum() / (target_N != ignore_index).sum()
     if reduction == "sum":
         return loss_N.sum()
     if reduction == "none":

@@ -41,7 +41,9 @@ def _loss(mods, ids_BS, target_BS, ctx):
 
 def _data():
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
+    ids, target = torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
+    target[0, :3] = -100  # ignored, as F.cross_entropy does (masked labels)
+    return ids, target
 
 
 def _reference():

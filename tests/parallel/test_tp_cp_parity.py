@@ -34,6 +34,8 @@ CASES = [
     Case("tp2_ep2_dedup_capacity", 2, tp=2, ep=2, model=dict(dispatcher="alltoall_dedup", capacity_factor=4.0)),
     Case("tp2_ep2_padded_nosp", 2, tp=2, ep=2, sp=False, model=dict(capacity_factor=4.0, pad_to_capacity=True)),
     Case("cp2_ep2_tied", 2, cp=2, ep=2, model=dict(tie_embeddings=True, qk_norm=True)),
+    # batches longer than the config's seq_length: the RoPE table grows to the global length (positions reach it)
+    Case("cp2_data_longer_than_config", 2, cp=2, model=dict(seq_length=16)),
     Case("mla_tp2", 2, tp=2, model=MLA),
     Case("mla_cp2", 2, cp=2, model=MLA),
     # 4 ranks
