@@ -36,19 +36,28 @@ def _err(a, b, rel=False):
     return (e / b.float().abs().max() if rel else e).item()
 
 
-def _cp_local(q, k, v, do, cp, backend, dtype=None):
-    """Run every rank of ``zigzag_attention_local`` on one process; returns (o, dq, dk, dv) in natural order."""
+def _cp_local(q, k, v, do, cp, backend, dtype=None, expand=False):
+    """Run every rank of ``zigzag_attention_local`` on one process; returns (o, dq, dk, dv) in natural order.
+    ``expand``: hand it K/V repeated to H heads; otherwise the G kv heads, as the model does."""
     k, v = (t.detach().requires_grad_() for t in (k, v))
     outs, dqs = [], []
     for r in range(cp):
         q_loc = zigzag_shard(q, cp, r, dim=2).detach().requires_grad_()
-        rep = H // k.shape[1]
+        rep = H // k.shape[1] if expand else 1
         o = zigzag_attention_local(q_loc, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cp, r,
                                    backend=backend)
         o.backward(zigzag_shard(do, cp, r, dim=2))
         outs.append(o.detach())
         dqs.append(q_loc.grad)
     return zigzag_unshard(outs, cp, dim=2), zigzag_unshard(dqs, cp, dim=2), k.grad, v.grad
+
+
+@pytest.mark.parametrize("backend", ["math", "cpu_flash"])
+def test_gqa_heads_expanded_inside_equal_expanded_outside(backend):
+    q, k, v, do = _data(2, 16, 16, seed=3)
+    inside, outside = _cp_local(q, k, v, do, 2, backend), _cp_local(q, k, v, do, 2, backend, expand=True)
+    for a, b in zip(inside, outside):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
