@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.modules.init import fill_normal_
+from lightning_moe.modules.init import fill_normal_, shard
 from lightning_moe.strategy.comm import all_gather, reduce_scatter
 from lightning_moe.strategy.parallel_context import ParallelContext
 
@@ -129,7 +129,7 @@ def tp_shard(full: torch.Tensor, dim: int, rank: int, size: int, parts: int = 1)
     """This rank's slice of a full weight: ``parts`` stacked logical weights along ``dim`` are sharded each."""
     if size == 1:
         return full
-    return torch.cat([p.chunk(size, dim=dim)[rank] for p in full.chunk(parts, dim=dim)], dim=dim)
+    return torch.cat([shard(p, dim, rank, size) for p in full.chunk(parts, dim=dim)], dim=dim)
 
 
 def mark_grad_sum_over_tp(module: nn.Module, ctx: ParallelContext) -> None:
