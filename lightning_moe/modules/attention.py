@@ -54,12 +54,13 @@ class RotaryCache:
 
 
 def check_attention_tp(cfg: ModelConfig, tp: int) -> None:
+    """Heads (and GQA kv heads) must split evenly over TP; also part of the model's layout check."""
     if cfg.num_attention_heads % tp:
-        raise ValueError(f"tensor parallelism: num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                         f"tensor_parallel_size={tp}")
+        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by tensor_parallel_size "
+                         f"(tp={tp})")
     if cfg.attention_type == "gqa" and cfg.num_kv_heads % tp:
-        raise ValueError(f"tensor parallelism: num_kv_heads={cfg.num_kv_heads} is not divisible by "
-                         f"tensor_parallel_size={tp} (kv heads are split, not replicated, as in Megatron)")
+        raise ValueError(f"num_kv_heads={cfg.num_kv_heads} is not divisible by tensor_parallel_size (tp={tp}) "
+                         "(kv heads are split over TP, not replicated, as in Megatron)")
 
 
 class Attention(nn.Module):

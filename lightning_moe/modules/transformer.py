@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.modules.attention import build_attention
+from lightning_moe.modules.attention import build_attention, check_attention_tp
 from lightning_moe.modules.config import ModelConfig
-from lightning_moe.modules.context_parallel import check_cp_seq_len, zigzag_positions, zigzag_shard
+from lightning_moe.modules.context_parallel import zigzag_positions, zigzag_shard
 from lightning_moe.modules.experts import SwiGLU
 from lightning_moe.modules.init import init_weights
 from lightning_moe.modules.moe_layer import MoELayer
@@ -76,7 +76,6 @@ class MoETransformer(nn.Module):
         """Logits and the summed auxiliary loss of all MoE layers. On one process the logits are (B, S, V); under
         CP they cover this rank's zig-zag positions and under TP this rank's vocabulary shard."""
         S, cp, cp_rank = tokens_BS.shape[1], self.ctx.cp, self.ctx.rank("cp")
-        check_cp_seq_len(S, cp)
         positions_S = zigzag_positions(S, cp, cp_rank, tokens_BS.device)
         x_BSD = self.embed(zigzag_shard(tokens_BS, cp, cp_rank))
         aux = x_BSD.new_zeros((), dtype=torch.float32)
@@ -103,15 +102,12 @@ def check_model_layout(cfg: ModelConfig, ctx_or_layout) -> None:
     sequence length). Takes a ParallelContext or a strategy Layout, so it can run before any process group."""
     tp, cp, ep, etp = (getattr(ctx_or_layout, n) for n in ("tp", "cp", "ep", "etp"))
 
-    def need(what: str, n: int, by: int, name: str, why: str = "") -> None:
+    def need(what: str, n: int, by: int, name: str) -> None:
         if n % by:
             long, short = name.split()
-            raise ValueError(f"{what}={n} is not divisible by {long} ({short}={by}){why}")
+            raise ValueError(f"{what}={n} is not divisible by {long} ({short}={by})")
 
-    need("num_attention_heads", cfg.num_attention_heads, tp, "tensor_parallel_size tp")
-    if cfg.attention_type == "gqa":
-        need("num_kv_heads", cfg.num_kv_heads, tp, "tensor_parallel_size tp",
-             " (kv heads are split over TP, not replicated, as in Megatron)")
+    check_attention_tp(cfg, tp)
     need("vocab_size", cfg.vocab_size, tp, "tensor_parallel_size tp")
     if cfg.num_layers > cfg.num_moe_layers:
         need("ffn_hidden_size", cfg.ffn_hidden_size, tp, "tensor_parallel_size tp")
