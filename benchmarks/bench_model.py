@@ -156,6 +156,12 @@ def strategy_kwargs(args) -> dict:
               context_parallel_size=args.cp)
     if args.sp is not None:
         kw["sequence_parallel"] = bool(args.sp)
+    if args.pp > 1 or args.microbatches > 1:
+        kw.update(pipeline_parallel_size=args.pp, num_microbatches=args.microbatches)
+        if args.vpp:
+            kw["virtual_pipeline_size"] = args.vpp
+        if args.schedule:
+            kw["pipeline_schedule"] = args.schedule
     return kw
 
 
@@ -219,13 +225,22 @@ def run_one(args, preset: str) -> dict:
         with stdout_to_stderr():
             trainer.fit(model, datamodule=data)
         rec = timer.summary()
+        pipe = trainer.strategy.pipeline_timing()  # the last step's schedule on each pipeline rank
+        if pipe:
+            import torch.distributed as dist
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, pipe)
+            rec["pipeline"] = {"ideal_bubble_fraction": pipe["ideal_bubble_fraction"],
+                               "bubble_fraction_per_rank": [r.get("bubble_fraction") for r in per_rank],
+                               "busy_s_per_rank": [r.get("busy_s") for r in per_rank],
+                               "wall_s_per_rank": [r.get("wall_s") for r in per_rank]}
         if device.type == "cuda":
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             rec["peak_mem_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         else:
             rec["peak_mem_gib"] = rec["peak_mem_reserved_gib"] = None
 
-    dp = args.devices // (args.tp * args.cp)  # TP and CP ranks share their data-parallel rank's samples
+    dp = args.devices // (args.tp * args.cp * args.pp)  # TP, CP and PP ranks share their dp rank's samples
     tokens_per_step = batch * seq * args.accumulate * dp  # global
     st = rec["step_time_s"]
     tps = tokens_per_step / st if st else None
@@ -256,6 +271,8 @@ def run_in_subprocess(args, preset: str) -> dict:
                             ("--batch", args.batch), ("--steps", args.steps), ("--warmup-steps", args.warmup_steps),
                             ("--accumulate", args.accumulate), ("--devices", args.devices), ("--ep", args.ep),
                             ("--etp", args.etp), ("--tp", args.tp), ("--cp", args.cp), ("--sp", args.sp),
+                            ("--pp", args.pp), ("--vpp", args.vpp), ("--microbatches", args.microbatches),
+                            ("--schedule", args.schedule),
                             ("--precision", args.precision), ("--dispatcher", args.dispatcher)):
             if value is not None:
                 cmd += [flag, str(value)]
@@ -293,6 +310,11 @@ def main(argv=None) -> dict:
     p.add_argument("--tp", type=int, default=1, help="attention tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="attention context-parallel size")
     p.add_argument("--sp", type=int, default=None, choices=[0, 1], help="sequence parallelism (default: on with TP)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per rank (interleaved 1F1B)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="num_microbatches: --batch (per dp rank) is split into this many inside each step")
+    p.add_argument("--schedule", default=None, help="pipeline schedule: 1f1b, interleaved_1f1b, afab")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")
     p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")

@@ -68,7 +68,10 @@ class MoEThroughput(L.Callback):
     Attributes:
         history: one dict per reported window (``step``, ``num_steps``, ``tokens``, ``time_s``, ``tokens_per_sec``,
             ``step_time_s``, ``flops_per_token``, ``tflops_per_gpu``, ``mfu``), for benchmarks.
-        pipeline_bubble_fraction: None; filled by pipeline schedules later.
+        pipeline_bubble_fraction: under pipeline schedules, the last step's idle fraction of this rank (time spent
+            waiting for other stages: 1 - busy / wall, from ``MoEFoldStrategy.pipeline_timing``); None otherwise.
+            ``history`` entries also carry ``pipeline_ideal_bubble_fraction``, the schedule's bubble with free
+            communication and backward = 2 x forward.
     """
 
     def __init__(self, log_every_n_steps: Optional[int] = None, warmup_steps: int = 3,
@@ -82,7 +85,7 @@ class MoEThroughput(L.Callback):
         self.log_every_n_steps, self.warmup_steps = log_every_n_steps, warmup_steps
         self.peak_tflops, self.peak_dtype, self.prog_bar = peak_tflops, peak_dtype, prog_bar
         self.history: list[dict[str, Any]] = []
-        self.pipeline_bubble_fraction: Optional[float] = None  # filled by pipeline schedules later
+        self.pipeline_bubble_fraction: Optional[float] = None
         self.peak_flops: Optional[float] = None  # FLOP/s per device used for MFU
         self._fpt_cache: dict[int, float] = {}
         self._reset_counters(0)
@@ -185,6 +188,13 @@ class MoEThroughput(L.Callback):
         self._win_steps = self._win_tokens = self._win_samples = 0
         self._win_flops = 0.0
 
+    def _pipeline_entry(self, pl_module: "L.LightningModule") -> dict:
+        timing_fn = getattr(pl_module.trainer.strategy, "pipeline_timing", None)
+        timing = timing_fn() if callable(timing_fn) else {}  # one device sync, once per window
+        self.pipeline_bubble_fraction = timing.get("bubble_fraction")
+        return {"pipeline_bubble_fraction": self.pipeline_bubble_fraction,
+                "pipeline_ideal_bubble_fraction": timing.get("ideal_bubble_fraction")}
+
     def _close_window(self, pl_module: "L.LightningModule", t: float, step: int) -> None:
         self._cum_steps += self._win_steps
         self._cum_samples += self._win_samples
@@ -202,7 +212,7 @@ class MoEThroughput(L.Callback):
                  "tokens": self._win_tokens * self._dp, "time_s": elapsed - self._win_elapsed0,
                  "tokens_per_sec": tokens_per_sec, "step_time_s": 1.0 / m["device/batches_per_sec"],
                  "flops_per_token": self._win_flops / self._win_tokens, "tflops_per_gpu": tflops, "mfu": mfu,
-                 "pipeline_bubble_fraction": self.pipeline_bubble_fraction}
+                 **self._pipeline_entry(pl_module)}
         self.history.append(entry)
         log = dict(on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("perf/tokens_per_sec", tokens_per_sec, prog_bar=self.prog_bar, **log)
@@ -210,4 +220,6 @@ class MoEThroughput(L.Callback):
         pl_module.log("perf/tflops_per_gpu", tflops, **log)
         if mfu is not None:
             pl_module.log("perf/mfu", mfu, prog_bar=self.prog_bar, **log)
+        if self.pipeline_bubble_fraction is not None:
+            pl_module.log("perf/pipeline_bubble", self.pipeline_bubble_fraction, **log)
         self._open_window(t, step)

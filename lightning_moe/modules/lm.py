@@ -69,11 +69,12 @@ class MoELanguageModel(L.LightningModule):
         self.model = MoETransformer(self.config, self.parallel_context)
         self.model.init_weights(self.hparams.seed)
 
-    def check_layout(self, layout) -> None:
+    def check_layout(self, layout, pipeline_first_layers: Optional[int] = None,
+                     pipeline_last_layers: Optional[int] = None) -> None:
         """Called by MoEFoldStrategy before any process group exists: a model that cannot be split over the layout
-        (heads, kv heads, FFN sizes, vocab or experts not divisible; sequence length not divisible by 2 x CP) fails
-        here with a ValueError naming the numbers."""
-        check_model_layout(self.config, layout)
+        (heads, kv heads, FFN sizes, vocab or experts not divisible; sequence length not divisible by 2 x CP; layers
+        not divisible over the pipeline stages) fails here with a ValueError naming the numbers."""
+        check_model_layout(self.config, layout, pipeline_first_layers, pipeline_last_layers)
 
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(tokens_BS)
@@ -88,22 +89,59 @@ class MoELanguageModel(L.LightningModule):
         Under TP each rank's auxiliary loss covers its share of the tokens (their router gradients are summed over
         TP): the reported ``aux_loss`` is summed over TP (one scalar all-reduce) so it is the same on every layout."""
         lm_loss, aux = self._lm_loss(batch)
+        out = self._report_train(batch, lm_loss.detach(), aux.detach())
+        out["loss"] = lm_loss + aux
+        return out
+
+    def _report_train(self, batch: dict, lm_loss: torch.Tensor, aux: torch.Tensor, over: tuple = ("tp",)) -> dict:
+        """Log train_loss / aux_loss / z_loss (and expert load); the detached ``lm_loss`` and ``aux_loss``."""
         bs = batch["input_ids"].shape[0]
         # the mean over data-parallel ranks: the same number on every layout (one small all-reduce per step)
         self.log("train_loss", lm_loss, prog_bar=True, batch_size=bs, sync_dist=True)
-        # [total aux, load-balancing part, z part], summed over TP in one scalar all-reduce (a no-op without TP)
-        parts = [aux.detach()]
+        # [total aux, load-balancing part, z part], summed over TP (and PP stages) in scalar all-reduces
+        parts = [aux]
         stats = [m.last_stats for m in self.model.moe_layers()]
-        if stats:
-            parts += [torch.stack([s[k] for s in stats]).sum().to(aux.dtype) for k in ("aux_loss", "z_loss")]
-        reported = self.model.ctx.all_reduce_(torch.stack(parts), "tp")
-        aux_report = reported[0]
-        if stats:
+        if self.config.num_moe_layers:
+            parts += [torch.stack([s[k] for s in stats]).sum().to(aux.dtype) if stats else aux.new_zeros(())
+                      for k in ("aux_loss", "z_loss")]
+        reported = torch.stack(parts)
+        for name in over:
+            reported = self.model.ctx.all_reduce_(reported, name)
+        if len(parts) > 1:
             self.log("aux_loss", reported[1], batch_size=bs)
             self.log("z_loss", reported[2], batch_size=bs)
-            if self.hparams.log_expert_load and self._writes_logs_now():
+            if stats and self.hparams.log_expert_load and self._writes_logs_now():
                 self.log_dict(self.expert_load_metrics(), batch_size=bs)
-        return {"loss": lm_loss + aux, "lm_loss": lm_loss.detach(), "aux_loss": aux_report}
+        return {"lm_loss": lm_loss, "aux_loss": reported[0]}
+
+    # ------------------------------------------------------------------ pipeline parallelism (MoEFoldStrategy)
+    def pipeline_model(self) -> MoETransformer:
+        """The chunked model: its stages, chunk parameters and inter-stage shapes (see strategy/pipeline)."""
+        return self.model
+
+    def pipeline_input_shape(self, micro_batch: dict) -> tuple[int, ...]:
+        return self.model.chunk_input_shape(tuple(micro_batch["input_ids"].shape))
+
+    def pipeline_forward(self, chunk: int, micro_batch: dict,
+                         x_BSD: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One model chunk on one micro-batch: (hidden states for the next stage, or on the last stage the mean LM
+        loss of the micro-batch; the chunk's auxiliary loss)."""
+        out, aux = self.model.forward_chunk(chunk, micro_batch["input_ids"], x_BSD)
+        if self.model.is_last_chunk(chunk):
+            out = self.model.lm_loss(out, micro_batch["labels"])
+        return out, aux
+
+    def pipeline_step_end(self, batch: dict, batch_idx: int, lm_loss: torch.Tensor, aux: torch.Tensor,
+                          stage: str):
+        """After a pipeline schedule ran every micro-batch (and, in training, its backward): ``lm_loss`` is the mean
+        over micro-batches (on every stage), ``aux`` this rank's chunks' mean auxiliary loss. The auxiliary parts
+        logged are those of the last micro-batch."""
+        if stage == "train":
+            out = self._report_train(batch, lm_loss, aux, over=("tp", "pp"))
+            out["loss"] = out["lm_loss"] + out["aux_loss"]  # detached: the schedule already ran backward
+            return out
+        self.log("val_loss", lm_loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        return lm_loss
 
     def _writes_logs_now(self) -> bool:
         # per-layer load is (2 + E) scalars per MoE layer: compute and log them only when Lightning writes logs
@@ -123,6 +161,8 @@ class MoELanguageModel(L.LightningModule):
         """
         from lightning_moe.callbacks.expert_load import load_stats
         blocks = [blk for blk in self.model.layers if blk.is_moe]
+        if not blocks:  # a pipeline stage without MoE layers
+            return {}
         stats = load_stats(torch.stack([blk.ffn.last_stats["tokens_per_expert"] for blk in blocks]),
                            torch.stack([blk.ffn.last_stats["num_dropped"] for blk in blocks]))
         out = {}

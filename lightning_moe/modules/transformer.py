@@ -22,6 +22,7 @@ from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.modules.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, enter_tp_region,
                                                    mark_grad_sum_over_tp, vocab_parallel_cross_entropy)
 from lightning_moe.strategy.parallel_context import ParallelContext
+from lightning_moe.strategy.pipeline.partition import local_stages, partition_layers
 
 
 def _norm(cfg: ModelConfig, ctx: ParallelContext) -> nn.RMSNorm:
@@ -51,17 +52,43 @@ class Block(nn.Module):
         return x_BSD + y_BSD, aux
 
 
+class Layers(nn.ModuleDict):
+    """This rank's blocks keyed by their global layer index, so that parameter names (``layers.7.attn...``) are those
+    of the unsplit model on every pipeline layout. Iterates over the blocks and indexes by layer number."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, idx) -> Block:
+        return super().__getitem__(str(idx))
+
+
 class MoETransformer(nn.Module):
+    """The model, or under pipeline parallelism this rank's model chunks (virtual stages ``stages``; see
+    ``strategy/pipeline/partition.py``). The embedding sits on virtual stage 0, the final norm and head on the last.
+    With tied embeddings and PP > 1 the last stage holds its own copy of the embedding (``embed.weight``, the same
+    name and initial value), whose gradient the strategy sums with the first stage's (Megatron's approach)."""
+
     def __init__(self, cfg: ModelConfig, ctx: Optional[ParallelContext] = None):
         super().__init__()
         ctx = ctx or ParallelContext.single()
-        check_model_layout(cfg, ctx)
+        check_model_layout(cfg, ctx, ctx.pipeline_first_layers, ctx.pipeline_last_layers)
         self.cfg, self.ctx = cfg, ctx
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, cfg.init_std)
-        self.layers = nn.ModuleList(Block(cfg, ctx, i) for i in range(cfg.num_layers))
-        self.norm = _norm(cfg, ctx)
-        self.head = None if cfg.tie_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, ctx,
-                                                                         cfg.init_std)
+        ranges = partition_layers(cfg.num_layers, ctx.pp, ctx.virtual_pipeline_size, ctx.pipeline_first_layers,
+                                  ctx.pipeline_last_layers)
+        self.num_stages = len(ranges)
+        self.stages = local_stages(ctx.pp, ctx.rank("pp"), ctx.virtual_pipeline_size)
+        self.chunk_layers = [list(ranges[v]) for v in self.stages]
+        self.has_first, self.has_last = self.stages[0] == 0, self.stages[-1] == self.num_stages - 1
+        self.embed = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, cfg.init_std)
+                      if self.has_first or (self.has_last and cfg.tie_embeddings) else None)
+        if self.embed is not None and cfg.tie_embeddings and ctx.pp > 1:
+            self.embed.weight.pp_tied = True  # gradient summed over the first and last stage
+            self.embed.weight.pp_tied_copy = not self.has_first  # counted once in the gradient norm
+        self.layers = Layers({str(i): Block(cfg, ctx, i) for layers in self.chunk_layers for i in layers})
+        self.norm = _norm(cfg, ctx) if self.has_last else None
+        self.head = (ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, ctx, cfg.init_std)
+                     if self.has_last and not cfg.tie_embeddings else None)
 
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:
@@ -72,35 +99,80 @@ class MoETransformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         init_weights(self, seed)
 
-    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and the summed auxiliary loss of all MoE layers. On one process the logits are (B, S, V); under
-        CP they cover this rank's zig-zag positions and under TP this rank's vocabulary shard."""
+    def is_first_chunk(self, chunk: int) -> bool:
+        return self.stages[chunk] == 0
+
+    def is_last_chunk(self, chunk: int) -> bool:
+        return self.stages[chunk] == self.num_stages - 1
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters a model chunk's backward produces gradients for."""
+        mods = [self.layers[i] for i in self.chunk_layers[chunk]]
+        if self.is_first_chunk(chunk):
+            mods.insert(0, self.embed)
+        if self.is_last_chunk(chunk):
+            mods += [m for m in (self.norm, self.head, self.embed) if m is not None and m not in mods]
+        return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+    def chunk_input_shape(self, tokens_shape) -> tuple[int, int, int]:
+        """(B, S, D) of the residual stream between stages: this rank's CP tokens, sequence-sharded under SP."""
+        B, S = tokens_shape
+        S //= self.ctx.cp
+        if self.ctx.sequence_parallel:
+            S //= self.ctx.tp
+        return B, S, self.cfg.hidden_size
+
+    def forward_chunk(self, chunk: int, tokens_BS: torch.Tensor,
+                      x_BSD: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One model chunk: the embedding on the first stage (``x_BSD`` is then ignored), its blocks, and on the last
+        stage the final norm and head. Returns (hidden states or logits, the chunk's summed auxiliary loss)."""
         S, cp, cp_rank = tokens_BS.shape[1], self.ctx.cp, self.ctx.rank("cp")
         positions_S = zigzag_positions(S, cp, cp_rank, tokens_BS.device)
-        x_BSD = self.embed(zigzag_shard(tokens_BS, cp, cp_rank))
+        if self.is_first_chunk(chunk):
+            x_BSD = self.embed(zigzag_shard(tokens_BS, cp, cp_rank))
         aux = x_BSD.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
-            x_BSD, layer_aux = layer(x_BSD, positions_S)
+        for i in self.chunk_layers[chunk]:
+            x_BSD, layer_aux = self.layers[i](x_BSD, positions_S)
             aux = aux + layer_aux
+        if not self.is_last_chunk(chunk):
+            return x_BSD, aux
         h_BSD = self.norm(x_BSD)
         if self.head is not None:
             return self.head(h_BSD), aux
         return F.linear(enter_tp_region(h_BSD, self.ctx), self.embed.weight), aux
 
-    def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy over this rank's tokens (fp32, vocab-parallel) and the auxiliary loss."""
-        logits_BSV, aux = self(tokens_BS)
+    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and the summed auxiliary loss of all MoE layers. On one process the logits are (B, S, V); under
+        CP they cover this rank's zig-zag positions and under TP this rank's vocabulary shard. Under PP the strategy
+        runs the chunks through its pipeline schedule instead."""
+        if self.ctx.pp > 1:
+            raise RuntimeError("MoETransformer.forward runs the whole model; under pipeline parallelism each rank "
+                               "holds only some stages and MoEFoldStrategy runs them with forward_chunk")
+        return self.forward_chunk(0, tokens_BS)
+
+    def lm_loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over this rank's tokens (fp32, vocab-parallel)."""
         labels_BS = zigzag_shard(labels_BS, self.ctx.cp, self.ctx.rank("cp"))
-        return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx), aux
+        return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
+
+    def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LM loss of this rank's tokens and the auxiliary loss."""
+        logits_BSV, aux = self(tokens_BS)
+        return self.lm_loss(logits_BSV, labels_BS), aux
 
     def moe_layers(self) -> list[MoELayer]:
         return [blk.ffn for blk in self.layers if blk.is_moe]
 
 
-def check_model_layout(cfg: ModelConfig, ctx_or_layout) -> None:
+def check_model_layout(cfg: ModelConfig, ctx_or_layout, pipeline_first_layers: Optional[int] = None,
+                       pipeline_last_layers: Optional[int] = None) -> None:
     """Raise ValueError when the model cannot be split over the layout (heads, kv heads, FFN sizes, vocab, experts,
-    sequence length). Takes a ParallelContext or a strategy Layout, so it can run before any process group."""
-    tp, cp, ep, etp = (getattr(ctx_or_layout, n) for n in ("tp", "cp", "ep", "etp"))
+    sequence length, layers over pipeline stages). Takes a ParallelContext or a strategy Layout, so it can run before
+    any process group."""
+    tp, cp, ep, etp, pp = (getattr(ctx_or_layout, n) for n in ("tp", "cp", "ep", "etp", "pp"))
+    vpp = (ctx_or_layout.virtual_pipeline_size if isinstance(ctx_or_layout, ParallelContext)
+           else ctx_or_layout.vpp)
+    partition_layers(cfg.num_layers, pp, vpp, pipeline_first_layers, pipeline_last_layers)
 
     def need(what: str, n: int, by: int, name: str) -> None:
         if n % by:

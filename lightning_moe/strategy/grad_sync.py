@@ -69,6 +69,8 @@ class GradSync:
         self.groups: dict[str, _GroupState] = {}
         self._bucket_of: dict[int, _Bucket] = {}
         self._armed = False
+        # pipeline schedules: the params whose next gradient is their last of the step (None: every param's is)
+        self._final: Optional[set[int]] = None
         self._hooks = []
         self._seen: set[int] = set()  # params that received a gradient since the last finish() (main_grads mode)
         self.had_main_grad: set[int] = set()  # the same set, frozen by finish() for the optimizer step
@@ -119,15 +121,27 @@ class GradSync:
                 b.buffer = b.handle = None
 
     # ------------------------------------------------------------------ backward-time
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
     def arm(self) -> None:
         """The next backward is the last of this optimizer step: launch buckets as their gradients complete."""
-        self._armed = True
+        self._armed, self._final = True, None
         for state in self.groups.values():
             state.next_launch = 0
             for b in state.buckets:
                 b.ready, b.handle = 0, None
                 if not self.main_grads:
                     b.buffer = None
+
+    def expect_final(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Pipeline schedules run several backwards inside the armed step: only the listed parameters' next gradient
+        (the last micro-batch's backward of their model chunk) counts towards launching their buckets. The first
+        call switches from "every gradient is final" to "only those listed so far"."""
+        if self._final is None:
+            self._final = set()
+        self._final.update(id(p) for p in params)
 
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
@@ -139,7 +153,7 @@ class GradSync:
                 p.main_grad.copy_(p.grad)
                 self._seen.add(id(p))
             p.grad = None
-        if not self._armed:
+        if not self._armed or (self._final is not None and id(p) not in self._final):
             return
         b = self._bucket_of[id(p)]
         if not b.reduce or not self.overlap:
@@ -199,7 +213,25 @@ class GradSync:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, self.scale)
-        self._armed = False
+        self._sum_tied_embeddings()
+        self._armed, self._final = False, None
+
+    def _sum_tied_embeddings(self) -> None:
+        """Tied embeddings under PP: the first stage's embedding and the last stage's copy each hold part of the
+        gradient of the one logical weight; both get the sum, so they stay identical after every step."""
+        pipe = self.ctx.pipeline
+        for p in self.params:
+            if not getattr(p, "pp_tied", False) or pipe is None:
+                continue
+            if self.main_grads:
+                had = id(p) in self.had_main_grad
+                grad = p.main_grad if had else p.main_grad.zero_()
+                self.had_main_grad.add(id(p))
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grad = p.grad
+            dist.all_reduce(grad, group=pipe.embed)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -217,8 +249,9 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext,
     replicated over edp: summed over etp_ep.
     """
     dense, sharded, expert = [], [], []
+    params = list(params)
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and not getattr(p, "pp_tied_copy", False):
             (expert if is_expert_param(p) else sharded if is_tp_sharded(p, ctx) else dense).append(p.grad)
     ref = (dense or sharded or expert)[0]
     inf = math.isinf(norm_type)
@@ -234,6 +267,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext,
     sharded_part = ctx.all_reduce_(local(sharded), "tp", op=op)
     dense_part = torch.maximum(local(dense), sharded_part) if inf else local(dense) + sharded_part
     total = torch.maximum(dense_part, expert_part) if inf else dense_part + expert_part
+    total = ctx.all_reduce_(total, "pp", op=op)  # pipeline stages hold disjoint parameters
     return total if inf else total.pow(1.0 / norm_type)
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-PARALLEL_ATTRS = ("is_expert", "tp_shard_dim", "tp_parts", "grad_sum_over_tp")
+PARALLEL_ATTRS = ("is_expert", "tp_shard_dim", "tp_parts", "grad_sum_over_tp", "pp_tied", "pp_tied_copy")
 
 
 def has_low_precision_params(optimizers: Iterable[torch.optim.Optimizer]) -> bool:

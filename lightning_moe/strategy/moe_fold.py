@@ -39,11 +39,14 @@ from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, i
 from lightning_moe.strategy.layout import Layout, build_layout
 from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
 from lightning_moe.strategy.parallel_context import ParallelContext
+from lightning_moe.strategy.pipeline.engine import PipelineEngine
+from lightning_moe.strategy.pipeline.schedules import check_schedule, simulate
 
-# Parallel dimensions whose code has not landed yet, and the feature each needs.
-_NOT_YET = {
-    "pipeline_parallel_size": "pipeline parallelism (1F1B / interleaved schedules)",
-}
+
+def _batch_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    batch = args[0] if args else kwargs["batch"]
+    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+    return batch, batch_idx
 
 
 class MoEFoldStrategy(ParallelStrategy):
@@ -52,9 +55,15 @@ class MoEFoldStrategy(ParallelStrategy):
     Args:
         tensor_parallel_size, context_parallel_size, pipeline_parallel_size: attention layout (DP is derived).
         expert_parallel_size, expert_tensor_parallel_size: MoE layout (EDP is derived).
-        virtual_pipeline_size: interleaved pipeline chunks per rank.
-        num_microbatches: micro-batches per pipeline step (pipeline schedules only; without PP use the Trainer's
-            ``accumulate_grad_batches``).
+        virtual_pipeline_size: model chunks per pipeline rank for the interleaved schedule (None: one).
+        num_microbatches: each rank's batch is split into this many micro-batches, which the pipeline schedule runs
+            through the stages inside one training step (gradients accumulate over them; the Trainer's
+            ``accumulate_grad_batches`` still multiplies on top). Without PP this is gradient accumulation within
+            the step.
+        pipeline_schedule: ``"1f1b"`` (default), ``"interleaved_1f1b"`` (default with ``virtual_pipeline_size``)
+            or ``"afab"`` (all forwards, then all backwards).
+        pipeline_first_stage_layers, pipeline_last_stage_layers: layer counts of the first and last (virtual)
+            pipeline stages; the other layers split evenly over the other stages (default: an even split).
         sequence_parallel: shard activations over TP outside the TP regions (default: on when TP > 1).
         bucket_size_mb: gradient all-reduce bucket size.
         overlap_grad_sync: launch bucket all-reduces during the last backward of each step.
@@ -71,7 +80,9 @@ class MoEFoldStrategy(ParallelStrategy):
     def __init__(self, tensor_parallel_size: int = 1, context_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
                  expert_tensor_parallel_size: int = 1, virtual_pipeline_size: Optional[int] = None,
-                 num_microbatches: int = 1, sequence_parallel: Optional[bool] = None, bucket_size_mb: float = 25.0,
+                 num_microbatches: int = 1, sequence_parallel: Optional[bool] = None,
+                 pipeline_schedule: Optional[str] = None, pipeline_first_stage_layers: Optional[int] = None,
+                 pipeline_last_stage_layers: Optional[int] = None, bucket_size_mb: float = 25.0,
                  overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None, timeout: Union[float, timedelta] = 1800.0,
                  process_group_backend: Optional[str] = None, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
@@ -86,16 +97,22 @@ class MoEFoldStrategy(ParallelStrategy):
         for name, v in sizes.items():
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"MoEFoldStrategy: {name} must be a positive integer, got {v!r}")
-        for name, feature in _NOT_YET.items():
-            if sizes[name] > 1:
-                raise NotImplementedError(f"MoEFoldStrategy({name}={sizes[name]}) needs {feature}, which has not "
-                                          "landed yet.")
-        if virtual_pipeline_size is not None:
-            raise NotImplementedError("MoEFoldStrategy(virtual_pipeline_size=...) needs interleaved pipeline "
-                                      "schedules, which have not landed yet.")
-        if num_microbatches > 1:
-            raise NotImplementedError("MoEFoldStrategy(num_microbatches>1) is for pipeline schedules, which have "
-                                      "not landed yet; use Trainer(accumulate_grad_batches=...) instead.")
+        if virtual_pipeline_size is not None and (not isinstance(virtual_pipeline_size, int)
+                                                  or virtual_pipeline_size < 1):
+            raise ValueError(f"MoEFoldStrategy: virtual_pipeline_size must be a positive integer or None, got "
+                             f"{virtual_pipeline_size!r}")
+        if virtual_pipeline_size is not None and pipeline_parallel_size == 1:
+            raise ValueError(f"MoEFoldStrategy(virtual_pipeline_size={virtual_pipeline_size}) needs "
+                             "pipeline_parallel_size > 1")
+        if pipeline_schedule is None:
+            pipeline_schedule = "interleaved_1f1b" if (virtual_pipeline_size or 1) > 1 else "1f1b"
+        vpp = virtual_pipeline_size if (virtual_pipeline_size or 1) > 1 else None
+        check_schedule(pipeline_schedule, pipeline_parallel_size, num_microbatches, vpp)  # ValueError naming why
+        if pipeline_parallel_size > 1 and num_microbatches < pipeline_parallel_size:
+            bubble = simulate(pipeline_schedule, pipeline_parallel_size, num_microbatches, vpp)["bubble_fraction"]
+            rank_zero_warn(f"MoEFoldStrategy: num_microbatches={num_microbatches} < pipeline_parallel_size="
+                           f"{pipeline_parallel_size} leaves the pipeline idle {bubble:.0%} of the time; use at "
+                           "least as many micro-batches as stages (Megatron uses >= 4x)")
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("MoEFoldStrategy(sequence_parallel=True) has no effect without tensor parallelism "
                            "(tensor_parallel_size=1); it is turned off.")
@@ -103,6 +120,12 @@ class MoEFoldStrategy(ParallelStrategy):
         self.tp, self.cp, self.pp = tensor_parallel_size, context_parallel_size, pipeline_parallel_size
         self.ep, self.etp, self.vpp = expert_parallel_size, expert_tensor_parallel_size, virtual_pipeline_size
         self.num_microbatches = num_microbatches
+        self.pipeline_schedule = pipeline_schedule
+        self.pipeline_first_stage_layers, self.pipeline_last_stage_layers = (pipeline_first_stage_layers,
+                                                                             pipeline_last_stage_layers)
+        self._pipeline: Optional[PipelineEngine] = None
+        self._pipeline_backward_done = False
+        self._skip_zero_grad = False
         # Megatron's recommendation: with TP, shard norms/residuals over the sequence too (less memory and compute)
         self.sequence_parallel = bool(sequence_parallel) if sequence_parallel is not None else self.tp > 1
         self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
@@ -163,17 +186,18 @@ class MoEFoldStrategy(ParallelStrategy):
         self.set_world_ranks()
         self.layout = self._make_layout(self.world_size)  # raises before any process group is created
         check = getattr(self.lightning_module, "check_layout", None)
-        if check is not None:  # the model's own divisibility checks, also before any process group
-            check(self.layout)
+        if check is not None:  # the model's own divisibility checks (and the stage split), before any process group
+            check(self.layout, self.pipeline_first_stage_layers, self.pipeline_last_stage_layers)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device)
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.parallel_context = ParallelContext.from_layout(self.layout, self.global_rank,
-                                                            sequence_parallel=self.sequence_parallel,
-                                                            timeout=self._timeout)
+        self.parallel_context = ParallelContext.from_layout(
+            self.layout, self.global_rank, sequence_parallel=self.sequence_parallel, timeout=self._timeout,
+            pipeline_first_layers=self.pipeline_first_stage_layers,
+            pipeline_last_layers=self.pipeline_last_stage_layers)
         # handed to the LightningModule before configure_model (Lightning calls that after setup_environment)
         if self.lightning_module is not None:
             self.lightning_module.parallel_context = self.parallel_context
@@ -193,10 +217,14 @@ class MoEFoldStrategy(ParallelStrategy):
             self._main_params = MainParams(self.optimizers) if use_main else None
             self._grad_sync = GradSync(self.model.parameters(), self.parallel_context, self.bucket_size_mb,
                                        self.overlap_grad_sync, main_grads=use_main)
-            if use_main:
-                for opt in self.optimizers:  # zero_grad must also drop the fp32 main grads accumulated so far
+            if use_main or self.pp > 1 or self.num_microbatches > 1:
+                # zero_grad must also drop the fp32 main grads accumulated so far; pipeline schedules zero before
+                # their backwards and skip Lightning's zero_grad, which comes after training_step
+                for opt in self.optimizers:
                     opt.zero_grad = partial(self._zero_grad, opt.zero_grad)
         self.setup_precision_plugin()
+        if self.pp > 1 or self.num_microbatches > 1:
+            self._setup_pipeline(trainer)
         # global-norm clipping: every parameter counted once across the EP/ETP and DP groups
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if getattr(self.precision_plugin, "scaler", "absent") is None:
@@ -206,7 +234,33 @@ class MoEFoldStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _setup_pipeline(self, trainer) -> None:
+        module = self.lightning_module
+        missing = [n for n in ("pipeline_model", "pipeline_input_shape", "pipeline_forward", "pipeline_step_end")
+                   if not callable(getattr(module, n, None))]
+        if missing:
+            raise TypeError(f"MoEFoldStrategy: pipeline schedules (pipeline_parallel_size={self.pp}, num_microbatches="
+                            f"{self.num_microbatches}) need the LightningModule to implement {', '.join(missing)} "
+                            "(see lightning_moe/strategy/pipeline/engine.py; MoELanguageModel does)")
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise ValueError("MoEFoldStrategy: pipeline schedules run the backward passes themselves and need "
+                             "automatic optimization (LightningModule.automatic_optimization = True)")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("MoEFoldStrategy: pipeline schedules do not support fp16 loss scaling (precision="
+                             "'16-mixed'); use 'bf16-mixed' or 'bf16-true'")
+        self._pipeline = PipelineEngine(self.parallel_context, self.pipeline_schedule, self.num_microbatches,
+                                        self.root_device)
+
+    def pipeline_timing(self) -> dict:
+        """The last pipeline schedule on this rank: ``wall_s``, ``busy_s``, the measured ``bubble_fraction``
+        (1 - busy/wall; idle time waiting for other stages) and the schedule's ``ideal_bubble_fraction``. Empty
+        without pipeline schedules. Synchronises with the device once."""
+        return self._pipeline.timing() if self._pipeline is not None else {}
+
     def _zero_grad(self, zero_grad: Callable, *args, **kwargs):
+        if self._skip_zero_grad:  # this step's pipeline schedule zeroed before its backwards
+            self._skip_zero_grad = False
+            return None
         if self._grad_sync is not None:
             self._grad_sync.discard()
         return zero_grad(*args, **kwargs)
@@ -232,6 +286,55 @@ class MoEFoldStrategy(ParallelStrategy):
                 dist.broadcast(p.data, src=ctx.members[name][0], group=ctx.group(name))
 
     # ------------------------------------------------------------------ the training step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        batch, batch_idx = _batch_args(args, kwargs)
+        module = self.lightning_module
+        trainer = module.trainer
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # Lightning zeroes gradients between training_step and backward; the schedule's backwards run inside
+            # training_step, so zero now and skip Lightning's zero_grad of this step
+            for opt in self.optimizers:
+                opt.zero_grad()
+            self._skip_zero_grad = True
+        lm_loss, aux = self._pipeline.run(module, batch, train=True, loss_scale=1.0 / trainer.accumulate_grad_batches,
+                                          grad_sync=self._grad_sync,
+                                          forward_context=self.precision_plugin.train_step_context)
+        self._pipeline_backward_done = True  # Lightning's closure calls backward next: nothing left to do
+        return module.pipeline_step_end(batch, batch_idx, lm_loss, aux, "train")
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._forward_only(args, kwargs, "val", self.precision_plugin.val_step_context)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._forward_only(args, kwargs, "val", self.precision_plugin.test_step_context)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        raise NotImplementedError("MoEFoldStrategy: predict under pipeline parallelism is not supported; run "
+                                  "predictions without PP (checkpoints load on other layouts of the same PP size)")
+
+    def _forward_only(self, args, kwargs, stage: str, context) -> Any:
+        batch, batch_idx = _batch_args(args, kwargs)
+        module = self.lightning_module
+        lm_loss, aux = self._pipeline.run(module, batch, train=False, forward_context=context)
+        return module.pipeline_step_end(batch, batch_idx, lm_loss, aux, stage)
+
+    def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._pipeline_backward_done:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the schedule already ran every micro-batch's backward; still fire on_before/after_backward hooks
+        self._pipeline_backward_done = False
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         grad_sync = self._grad_sync
 

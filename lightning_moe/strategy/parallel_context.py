@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_moe.strategy.pipeline.p2p import PipelineGroups, make_pipeline_groups
+
 GROUP_NAMES = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_dp_cp", "etp", "ep", "edp", "etp_ep")
 
 
@@ -30,6 +32,10 @@ class ParallelContext:
     layout: object = None  # lightning_moe.strategy.layout.Layout when built by the strategy
     sequence_parallel: bool = False
     virtual_pipeline_size: Optional[int] = None
+    # explicit layer counts of the first/last virtual pipeline stages (None: even split), see pipeline/partition.py
+    pipeline_first_layers: Optional[int] = None
+    pipeline_last_layers: Optional[int] = None
+    pipeline: Optional[PipelineGroups] = None  # neighbours and p2p groups when pp > 1
 
     @classmethod
     def single(cls) -> "ParallelContext":
@@ -37,7 +43,9 @@ class ParallelContext:
         return cls(members={n: [0] for n in GROUP_NAMES})
 
     @classmethod
-    def from_layout(cls, layout, rank: int, sequence_parallel: bool = False, timeout=None) -> "ParallelContext":
+    def from_layout(cls, layout, rank: int, sequence_parallel: bool = False, timeout=None,
+                    pipeline_first_layers: Optional[int] = None,
+                    pipeline_last_layers: Optional[int] = None) -> "ParallelContext":
         """Create every process group of both layouts (collective: all ranks call this in the same order)."""
         groups, members, made = {}, {}, {}
         for name in GROUP_NAMES:
@@ -55,11 +63,13 @@ class ParallelContext:
                     made[key] = dist.new_group(ranks, **kwargs)
                 if rank in ranks:
                     groups[name] = made[key]
+        pipeline = make_pipeline_groups(layout.groups["pp"], rank, timeout)
         return cls(world_size=layout.world_size, global_rank=rank,
                    sizes={n: len(members[n]) for n in GROUP_NAMES},
                    ranks={n: layout.rank_in(n, rank) for n in GROUP_NAMES},
                    groups=groups, members=members, layout=layout, sequence_parallel=sequence_parallel,
-                   virtual_pipeline_size=layout.vpp)
+                   virtual_pipeline_size=layout.vpp, pipeline_first_layers=pipeline_first_layers,
+                   pipeline_last_layers=pipeline_last_layers, pipeline=pipeline)
 
     def size(self, name: str) -> int:
         return self.sizes[name]
@@ -78,6 +88,10 @@ class ParallelContext:
     ep = property(lambda self: self.sizes["ep"])
     etp = property(lambda self: self.sizes["etp"])
     edp = property(lambda self: self.sizes["edp"])
+
+    @property
+    def vpp(self) -> int:
+        return self.virtual_pipeline_size or 1
 
     def all_reduce_(self, t: torch.Tensor, name: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce over a named group; a no-op for a group of size 1. Not differentiable."""

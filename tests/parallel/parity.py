@@ -35,6 +35,8 @@ class Case:
     tp: int = 1
     cp: int = 1
     sp: Optional[bool] = None  # sequence parallelism (MoEFoldStrategy's default: on when tp > 1)
+    pp: int = 1
+    m: int = 1  # num_microbatches (pipeline schedules); the reference accumulates the same micro-batches
     model: dict = field(default_factory=dict)
     accumulate: int = 1  # gradient accumulation on both sides
     strategy: dict = field(default_factory=dict)  # extra MoEFoldStrategy arguments
@@ -45,7 +47,7 @@ class Case:
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.cp)
+        return self.world // (self.tp * self.cp * self.pp)
 
     @property
     def dropping(self) -> bool:
@@ -98,14 +100,16 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
                                                             expert_tensor_parallel_size=case.etp,
                                                             tensor_parallel_size=case.tp,
                                                             context_parallel_size=case.cp, sequence_parallel=case.sp,
+                                                            pipeline_parallel_size=case.pp, num_microbatches=case.m,
                                                             timeout=120, **case.strategy), case.world, \
             GLOBAL_BATCH // dp, 1
     elif case.precision != "32-true":
         # the reference also keeps fp32 main params, which plain Lightning bf16-true does not
         strategy, devices, bs, accumulate = MoEFoldStrategy(), 1, GLOBAL_BATCH, 1
-    elif case.dropping:
-        # capacity is per rank (as in Megatron): the reference runs each DP shard as its own micro-batch
-        strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH // dp, dp
+    elif case.dropping or case.m > 1:
+        # capacity and the aux loss are per micro-batch and per rank (as in Megatron): the reference runs each DP
+        # shard's micro-batches as its own micro-batches
+        strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH // (dp * case.m), dp * case.m
     else:
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH, 1
     accumulate *= case.accumulate

@@ -20,6 +20,8 @@ BASE = dict(hidden_size=32, num_attention_heads=4, num_kv_heads=2, ffn_hidden_si
     (dict(num_experts=6, topk=2), dict(world_size=4, ep=4), r"num_experts=6 .*\(ep=4\)"),
     (dict(seq_length=36), dict(world_size=4, cp=4), r"seq_length=36 .*2 x context_parallel_size = 8"),
     (dict(seq_length=20, num_kv_heads=4), dict(world_size=8, tp=4, cp=2), r"seq_length / context_parallel_size = 10"),
+    (dict(num_layers=3), dict(world_size=2, pp=2), r"cannot split num_layers=3 over pipeline_parallel_size=2 = 2"),
+    (dict(num_layers=4), dict(world_size=2, pp=2, vpp=4), r"x virtual_pipeline_size=4 = 8 stages"),
 ])
 def test_bad_model_for_layout(overrides, layout, match):
     cfg = ModelConfig.from_preset("tiny", **{**BASE, **overrides})
@@ -48,3 +50,13 @@ def test_runtime_sequence_check():
     check_cp_seq_len(32, 4)
     with pytest.raises(ValueError, match="seq_len=30"):
         check_cp_seq_len(30, 2)
+
+
+def test_explicit_first_last_stage_layers_checked():
+    cfg = ModelConfig.from_preset("tiny", **{**BASE, "num_layers": 5})
+    lay = build_layout(4, pp=4)
+    check_model_layout(cfg, lay, 2, None)  # 2 + 1 + 1 + 1
+    with pytest.raises(ValueError, match=r"with 3 layers on the first and None on the last stage: the remaining 2"):
+        check_model_layout(cfg, lay, 3, None)
+    with pytest.raises(ValueError, match="must be an integer >= 0"):
+        check_model_layout(cfg, lay, -1, None)

@@ -23,14 +23,29 @@ def test_impossible_layout_fails_at_trainer_construction(kwargs, devices, match)
         L.Trainer(strategy=MoEFoldStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
 
 
-@pytest.mark.parametrize("kwargs,feature", [
-    (dict(pipeline_parallel_size=2), "pipeline parallelism"),
-    (dict(virtual_pipeline_size=2), "interleaved pipeline"),
-    (dict(num_microbatches=4), "accumulate_grad_batches"),
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(virtual_pipeline_size=2), "needs pipeline_parallel_size > 1"),
+    (dict(pipeline_parallel_size=2, virtual_pipeline_size=0), "virtual_pipeline_size must be a positive integer"),
+    (dict(pipeline_parallel_size=2, virtual_pipeline_size=2, num_microbatches=3), "num_microbatches=3"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="zero_bubble"), "unknown pipeline schedule 'zero_bubble'"),
+    (dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="1f1b"), "interleaved_1f1b"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"), "virtual_pipeline_size"),
+    (dict(pipeline_parallel_size=2, num_microbatches=0), "num_microbatches"),
 ])
-def test_not_yet_landed_sizes_raise(kwargs, feature):
-    with pytest.raises(NotImplementedError, match=feature):
+def test_bad_pipeline_options_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         MoEFoldStrategy(**kwargs)
+
+
+def test_fewer_microbatches_than_stages_warns():
+    with pytest.warns(UserWarning, match="idle 50%"):
+        MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=1)
+
+
+def test_default_schedules():
+    assert MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=4).pipeline_schedule == "1f1b"
+    assert MoEFoldStrategy(pipeline_parallel_size=2, virtual_pipeline_size=2,
+                           num_microbatches=4).pipeline_schedule == "interleaved_1f1b"
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])

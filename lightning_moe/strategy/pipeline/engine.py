@@ -1,0 +1,167 @@
+"""Runs a pipeline schedule for one batch on this rank: micro-batches, forward and backward of every model chunk,
+point-to-point transfers, and the timing that gives the measured bubble.
+
+The LightningModule supplies the model pieces (MoELanguageModel implements them):
+  ``pipeline_model()``               the chunked model: ``stages``, ``num_stages``, ``is_first_chunk(c)``,
+                                     ``is_last_chunk(c)``, ``chunk_parameters(c)``
+  ``pipeline_input_shape(mb)``       (B, S, D) of the activations between stages for a micro-batch
+  ``pipeline_forward(c, mb, x)``     one chunk's forward: (output, aux loss); on the last stage the output is the
+                                     micro-batch's mean loss
+Loss semantics are those of gradient accumulation: every micro-batch's (loss + aux) is scaled by 1 / num_microbatches
+(and by Lightning's 1 / accumulate_grad_batches), and each stage backpropagates its own chunks' aux losses along with
+the gradient arriving from the next stage.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_moe.strategy.pipeline.p2p import StageComm
+from lightning_moe.strategy.pipeline.schedules import Op, build_schedule, forward_order, simulate
+
+
+def split_microbatches(batch: Any, m: int) -> list:
+    """Split every tensor of a (nested) batch into ``m`` equal micro-batches along dim 0."""
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % m:
+            raise ValueError(f"a batch of {batch.shape[0]} samples cannot be split into num_microbatches={m} equal "
+                             "micro-batches: make the per-rank batch size a multiple of num_microbatches")
+        return list(batch.chunk(m))
+    if isinstance(batch, dict):
+        parts = {k: split_microbatches(v, m) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(m)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_microbatches(v, m) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(m)]
+    return [batch] * m
+
+
+class _Timer:
+    """Busy time (compute) and wall time of one schedule. On CUDA with events (no host sync; read on request), on
+    CPU with the host clock (gloo receives block the host, so its waits are the pipeline's idle time)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def result(self) -> dict:
+        """marks: start, then (compute begin, compute end) pairs, then end."""
+        if not self.marks:
+            return {}
+        if self.cuda:
+            self.marks[-1].synchronize()
+            span = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
+        else:
+            span = lambda a, b: b - a  # noqa: E731
+        wall = span(self.marks[0], self.marks[-1])
+        busy = sum(span(a, b) for a, b in zip(self.marks[1:-1:2], self.marks[2:-1:2]))
+        return {"wall_s": wall, "busy_s": busy, "bubble_fraction": max(0.0, 1.0 - busy / wall) if wall else 0.0}
+
+
+class PipelineEngine:
+    def __init__(self, ctx, schedule: str, num_microbatches: int, device: torch.device):
+        self.ctx, self.schedule, self.m = ctx, schedule, num_microbatches
+        self.pp, self.rank = ctx.pp, ctx.rank("pp")
+        vpp = ctx.virtual_pipeline_size if ctx.vpp > 1 else None
+        self.train_ops = build_schedule(schedule, self.pp, self.rank, self.m, vpp)
+        self.forward_ops = [Op("F", mb, c) for mb, c in forward_order(self.pp, self.m, vpp)]
+        # the bubble of this schedule with backward = 2 x forward and free communication (schedules.simulate)
+        self.ideal_bubble_fraction = simulate(schedule, self.pp, self.m, vpp)["bubble_fraction"]
+        self.comm = StageComm(ctx.pipeline) if self.pp > 1 else None
+        if self.comm is not None:
+            ctx.pipeline.warmup(device)
+        self._timer: Optional[_Timer] = None
+
+    def timing(self) -> dict:
+        """The last training schedule on this rank: wall and busy seconds, measured and ideal bubble fractions.
+        Synchronises with the device once (call it when reporting, not every step)."""
+        out = self._timer.result() if self._timer is not None else {}
+        return {**out, "ideal_bubble_fraction": self.ideal_bubble_fraction}
+
+    def run(self, module, batch: Any, train: bool, loss_scale: float = 1.0, grad_sync=None,
+            forward_context: Callable = nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every micro-batch through this rank's chunks (and back, when ``train``). Returns the detached mean LM loss
+        over micro-batches (the same on every stage) and this rank's chunks' mean auxiliary loss."""
+        model = module.pipeline_model()
+        mbs = split_microbatches(batch, self.m)
+        ops = self.train_ops if train else self.forward_ops
+        param = next(p for p in model.parameters() if p.is_floating_point())
+        shape, dtype, device = tuple(module.pipeline_input_shape(mbs[0])), param.dtype, param.device
+        scale = loss_scale / self.m
+        last_b = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
+        if train and grad_sync is not None and grad_sync.armed:
+            grad_sync.expect_final([])  # from now on only the last backward of each chunk launches its buckets
+        timer = _Timer(device) if train else None
+        if timer:
+            timer.mark()
+        lm_sum = torch.zeros((), device=device, dtype=torch.float32)
+        aux_sum = torch.zeros((), device=device, dtype=torch.float32)
+        saved: dict = {}
+        recvs: dict = {}
+
+        def needs_recv(op: Op) -> Optional[str]:
+            if op.kind == "F":
+                return None if model.is_first_chunk(op.chunk) else "act"
+            return None if model.is_last_chunk(op.chunk) else "grad"
+
+        def post(i: int) -> None:
+            # receives are posted in op order, which on each (edge, kind) group is the senders' order
+            if i < len(ops) and i not in recvs:
+                kind = needs_recv(ops[i])
+                recvs[i] = self.comm.recv(kind, shape, dtype, device) if kind else (None, None)
+
+        for i, op in enumerate(ops):
+            post(i)
+            post(i + 1)  # prefetch: the next op's input arrives while this one computes
+            buf, work = recvs.pop(i)
+            if work is not None:
+                work.wait()
+            if timer:
+                timer.mark()
+            key = (op.microbatch, op.chunk)
+            if op.kind == "F":
+                x = buf.requires_grad_(train) if buf is not None else None
+                with forward_context():
+                    out, aux = module.pipeline_forward(op.chunk, mbs[op.microbatch], x)
+                aux_sum += aux.detach().float()
+                if model.is_last_chunk(op.chunk):
+                    lm_sum += out.detach().float()
+                    if train:
+                        saved[key] = (x, ((out + aux) * scale,), (None,))
+                else:
+                    self.comm.send("act", out.to(dtype))
+                    if train:
+                        roots, grads = [out], ["recv"]
+                        if aux.requires_grad:  # a chunk with MoE layers: its aux loss joins the backward
+                            roots.append(aux * scale)
+                            grads.append(None)
+                        saved[key] = (x, roots, grads)
+            else:
+                x, roots, grads = saved.pop(key)
+                if grad_sync is not None and grad_sync.armed and i == last_b[op.chunk]:
+                    grad_sync.expect_final(model.chunk_parameters(op.chunk))
+                grads = [buf if g == "recv" else g for g in grads]
+                torch.autograd.backward(list(roots), grads)
+                if not model.is_first_chunk(op.chunk):
+                    self.comm.send("grad", x.grad)
+            if timer:
+                timer.mark()
+        if self.comm is not None:
+            self.comm.finish()
+        if timer:
+            timer.mark()
+            self._timer = timer
+        lm = self.ctx.all_reduce_(lm_sum / self.m, "pp")  # only the last stage computed it
+        return lm, aux_sum / self.m

@@ -1,0 +1,249 @@
+"""Pipeline schedules (lightning_moe.strategy.pipeline.schedules): op lists, timing model, deadlocks, p2p FIFO order."""
+
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+
+import pytest
+
+from lightning_moe.strategy.pipeline.schedules import (
+    SCHEDULES,
+    Op,
+    backward_order,
+    build_schedule,
+    check_p2p_order,
+    check_schedule,
+    forward_order,
+    p2p_order_problems,
+    simulate,
+    simulate_ops,
+)
+
+
+def _valid(schedule, pp, m, vpp):
+    try:
+        check_schedule(schedule, pp, m, vpp)
+    except ValueError:
+        return False
+    return True
+
+
+GRID = [
+    (s, pp, m, vpp)
+    for s, pp, vpp, m in itertools.product(SCHEDULES, range(1, 5), (None, 2, 3), range(1, 9))
+    if _valid(s, pp, m, vpp)
+]
+
+
+def _ops(text: str) -> list[Op]:
+    """'F0 B0 F1.1' -> [F(mb 0, chunk 0), B(mb 0, chunk 0), F(mb 1, chunk 1)]."""
+    out = []
+    for tok in text.split():
+        mb, _, chunk = tok[1:].partition(".")
+        out.append(Op(tok[0], int(mb), int(chunk or 0)))
+    return out
+
+
+def test_grid_covers_every_schedule():
+    assert {s for s, *_ in GRID} == set(SCHEDULES)
+    assert any(s == "interleaved_1f1b" and pp == 1 for s, pp, _, _ in GRID)
+    assert any(s == "afab" and vpp and m % pp for s, pp, m, vpp in GRID)
+
+
+# ------------------------------------------------------------------------------------------------- op list structure
+def test_every_op_once_and_backward_after_forward():
+    for schedule, pp, m, vpp in GRID:
+        wanted = {(mb, c) for mb in range(m) for c in range(vpp or 1)}
+        for rank in range(pp):
+            ops = build_schedule(schedule, pp, rank, m, vpp)
+            case = (schedule, pp, m, vpp, rank, ops)
+            assert len(ops) == 2 * len(wanted) == len(set(ops)), case
+            pos = {op: i for i, op in enumerate(ops)}
+            assert all(pos[Op("F", mb, c)] < pos[Op("B", mb, c)] for mb, c in wanted), case
+            # forwards / backwards keep the rank-independent orders (what keeps FIFO messages matched)
+            assert [(o.microbatch, o.chunk) for o in ops if o.kind == "F"] == forward_order(pp, m, vpp), case
+            assert [(o.microbatch, o.chunk) for o in ops if o.kind == "B"] == backward_order(pp, m, vpp), case
+
+
+def test_1f1b_pp2_m4():
+    assert build_schedule("1f1b", 2, 0, 4) == _ops("F0 F1 B0 F2 B1 F3 B2 B3")
+    assert build_schedule("1f1b", 2, 1, 4) == _ops("F0 B0 F1 B1 F2 B2 F3 B3")
+
+
+def test_1f1b_fewer_microbatches_than_stages():
+    assert build_schedule("1f1b", 4, 0, 2) == _ops("F0 F1 B0 B1")
+    assert build_schedule("1f1b", 4, 3, 2) == _ops("F0 B0 F1 B1")
+
+
+def test_pp1_is_gradient_accumulation():
+    assert build_schedule("1f1b", 1, 0, 3) == _ops("F0 B0 F1 B1 F2 B2")
+    assert build_schedule("afab", 1, 0, 3) == _ops("F0 F1 F2 B0 B1 B2")
+
+
+def test_interleaved_pp2_vpp2_m4_by_hand():
+    # total = 8; forward k -> (mb, chunk): 0:(0,0) 1:(1,0) 2:(0,1) 3:(1,1) 4:(2,0) 5:(3,0) 6:(2,1) 7:(3,1)
+    # backward k:                          0:(0,1) 1:(1,1) 2:(0,0) 3:(1,0) 4:(2,1) 5:(3,1) 6:(2,0) 7:(3,0)
+    # warmup: rank 0 = (2-0-1)*2 + (2-1)*2 = 4, rank 1 = 0 + 2 = 2
+    assert forward_order(2, 4, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert backward_order(2, 4, 2) == [(0, 1), (1, 1), (0, 0), (1, 0), (2, 1), (3, 1), (2, 0), (3, 0)]
+    assert build_schedule("interleaved_1f1b", 2, 0, 4, 2) == _ops(
+        "F0.0 F1.0 F0.1 F1.1 "  # warmup
+        "F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 "  # steady 1F1B
+        "B2.1 B3.1 B2.0 B3.0"  # cooldown
+    )
+    assert build_schedule("interleaved_1f1b", 2, 1, 4, 2) == _ops(
+        "F0.0 F1.0 "
+        "F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 "
+        "B2.0 B3.0"
+    )
+
+
+def test_interleaved_m_equals_pp_is_all_warmup():
+    for rank in range(2):
+        ops = build_schedule("interleaved_1f1b", 2, rank, 2, 3)
+        assert [o.kind for o in ops] == ["F"] * 6 + ["B"] * 6
+
+
+def test_afab_orders_with_short_last_group():
+    # m=3 over groups of pp=2: chunk-major within [0, 1], then the short group [2]
+    assert forward_order(2, 3, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+    assert backward_order(2, 3, 2) == [(0, 1), (1, 1), (0, 0), (1, 0), (2, 1), (2, 0)]
+    assert forward_order(3, 2) == [(0, 0), (1, 0)]
+
+
+# ------------------------------------------------------------------------------------------------------- timing model
+def test_simulate_no_deadlock_and_accounting():
+    for schedule, pp, m, vpp in GRID:
+        r = simulate(schedule, pp, m, vpp)
+        assert r["busy"] == [m * (vpp or 1) * 3.0] * pp
+        assert r["idle"] == pytest.approx([r["makespan"] - b for b in r["busy"]])
+        assert 0 <= r["bubble_fraction"] < 1
+        assert r["ideal"] == pytest.approx((pp - 1) / ((vpp or 1) * m + pp - 1))
+
+
+@pytest.mark.parametrize("f,b", [(1, 2), (1, 1), (1, 3), (3, 1)])
+def test_bubble_matches_megatron_formula(f, b):
+    """Exact (in fractions) for any f:b whenever vpp == 1 or m % pp == 0, as the docstring of simulate says."""
+    for schedule, pp, m, vpp in GRID:
+        if (vpp or 1) == 1 or m % pp == 0:
+            r = simulate(schedule, pp, m, vpp, Fraction(f), Fraction(b))
+            assert r["bubble_fraction"] == Fraction(pp - 1, (vpp or 1) * m + pp - 1), (schedule, pp, m, vpp)
+
+
+def test_1f1b_bubble_default_times():
+    for pp, m in itertools.product(range(1, 5), range(1, 9)):
+        assert simulate("1f1b", pp, m)["bubble_fraction"] == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+@pytest.mark.parametrize("pp,m,vpp", [(2, 4, 2), (4, 8, 2), (4, 8, 3)])
+def test_interleaved_beats_1f1b(pp, m, vpp):
+    assert simulate("interleaved_1f1b", pp, m, vpp)["bubble_fraction"] < simulate("1f1b", pp, m)["bubble_fraction"]
+
+
+def test_afab_same_makespan_as_1f1b():
+    for pp, m in itertools.product(range(1, 5), range(1, 9)):
+        assert simulate("afab", pp, m)["makespan"] == simulate("1f1b", pp, m)["makespan"]
+    for pp, m, vpp in [(2, 4, 2), (4, 8, 2), (2, 6, 3)]:
+        assert simulate("afab", pp, m, vpp)["makespan"] == simulate("interleaved_1f1b", pp, m, vpp)["makespan"]
+
+
+def test_afab_vpp_short_last_group_is_worse():
+    r = simulate("afab", 2, 1, 2, Fraction(1), Fraction(2))
+    assert r["bubble_fraction"] == Fraction(1, 2) and r["ideal"] == pytest.approx(1 / 3)
+    r = simulate("afab", 2, 3, 2, Fraction(1), Fraction(2))
+    assert r["bubble_fraction"] > Fraction(1, 7)
+
+
+def test_simulate_timeline_1f1b_pp2_m2():
+    tl = simulate("1f1b", 2, 2)["timeline"]
+    assert [(str(op), s, e) for op, s, e in tl[1]] == [
+        ("F(mb=0, chunk=0)", 1, 2), ("B(mb=0, chunk=0)", 2, 4), ("F(mb=1, chunk=0)", 4, 5), ("B(mb=1, chunk=0)", 5, 7)
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- broken schedules
+def test_backward_before_next_stage_forward_deadlocks():
+    # rank 0 waits in B0 for rank 1's B0, which waits behind F1, which needs rank 0's F1 after B0
+    ops = [_ops("F0 B0 F1 B1"), _ops("F0 F1 B0 B1")]
+    with pytest.raises(RuntimeError, match=r"deadlock.*rank 0 op #1 B\(mb=0, chunk=0\) waits for B\(mb=0, stage=1\)"):
+        simulate_ops(ops, pp=2)
+
+
+def test_backward_before_own_forward_deadlocks():
+    with pytest.raises(RuntimeError, match=r"deadlock.*rank 1 op #0 B\(mb=1, chunk=0\) waits for F\(mb=1, stage=1\)"):
+        simulate_ops([_ops("F0 F1 B0 B1"), _ops("B1 F0 F1 B0")], pp=2)
+
+
+def test_reversed_forwards_mismatch_p2p_but_do_not_deadlock():
+    ops = [_ops("F0 F1 B0 B1"), _ops("F1 F0 B0 B1")]
+    simulate_ops(ops, pp=2)  # zero-latency buffered sends: fine for timing
+    problems = p2p_order_problems(ops, pp=2)
+    assert problems == ["act 0->1: message #0 is sent as (mb=0, stage=0) but received as (mb=1, stage=0)"]
+
+
+def test_check_p2p_order_raises_on_mismatch(monkeypatch):
+    import lightning_moe.strategy.pipeline.schedules as mod
+
+    real = mod.build_schedule
+    broken = {1: _ops("F1 F0 B0 B1")}
+    monkeypatch.setattr(mod, "build_schedule", lambda s, pp, r, *a: broken.get(r) or real(s, pp, r, *a))
+    with pytest.raises(RuntimeError, match=r"'afab' \(pp=2, num_microbatches=2, vpp=None\).*act 0->1: message #0"):
+        check_p2p_order("afab", 2, 2)
+
+
+def test_p2p_wraparound_mismatch_pp1_vpp2():
+    # rank 0 sends to itself: chunk 0 produces mb 0, 1 but chunk 1 consumes mb 1, 0; likewise for the gradients
+    ops = [_ops("F0.0 F1.0 F1.1 F0.1 B1.1 B0.1 B0.0 B1.0")]
+    problems = p2p_order_problems(ops, pp=1, vpp=2)
+    assert "act 0->0: message #0 is sent as (mb=0, stage=0) but received as (mb=1, stage=0)" in problems
+    assert "grad 0->0: message #0 is sent as (mb=1, stage=1) but received as (mb=0, stage=1)" in problems
+
+
+def test_invalid_op_lists_rejected():
+    with pytest.raises(ValueError, match="expected pp=2"):
+        simulate_ops([_ops("F0 B0")], pp=2)
+    with pytest.raises(ValueError, match="runs an op twice"):
+        simulate_ops([_ops("F0 F0 B0")], pp=1)
+    with pytest.raises(ValueError, match=r"only F \[\(1, 0\)\]"):
+        p2p_order_problems([_ops("F0 F1 B0")], pp=1)
+    with pytest.raises(ValueError, match="invalid"):
+        simulate_ops([_ops("F0.2 B0.2")], pp=1, vpp=2)
+
+
+def test_p2p_order_on_grid():
+    for schedule, pp, m, vpp in GRID:
+        check_p2p_order(schedule, pp, m, vpp)
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("args,pattern", [
+    (("gpipe", 2, 4), r"unknown pipeline schedule 'gpipe'; known: afab, 1f1b, interleaved_1f1b"),
+    (("1f1b", 0, 4), r"pp=0 must be >= 1"),
+    (("1f1b", 2, 0), r"num_microbatches=0 must be >= 1"),
+    (("afab", 2, 4, 0), r"vpp=0 must be >= 1"),
+    (("1f1b", 2, 4, 2), r"vpp=2.*use schedule='interleaved_1f1b'"),
+    (("interleaved_1f1b", 2, 4), r"needs virtual_pipeline_size >= 2, got vpp=None"),
+    (("interleaved_1f1b", 2, 4, 1), r"needs virtual_pipeline_size >= 2, got vpp=1"),
+    (("interleaved_1f1b", 4, 6, 2), r"groups of pp=4.*num_microbatches=6 must be a multiple of 4 \(e\.g\. 4 or 8\)"),
+    (("interleaved_1f1b", 4, 3, 2), r"num_microbatches=3 must be a multiple of 4 \(e\.g\. 4\)"),
+])
+def test_check_schedule_errors(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check_schedule(*args)
+    with pytest.raises(ValueError, match=pattern):
+        simulate(*args)
+    with pytest.raises(ValueError, match=pattern):
+        build_schedule(args[0], args[1], 0, *args[2:])
+
+
+def test_build_schedule_rank_range():
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, pp=2\)"):
+        build_schedule("1f1b", 2, 2, 4)
+    with pytest.raises(ValueError, match=r"rank=-1"):
+        build_schedule("1f1b", 2, -1, 4)
+
+
+def test_afab_accepts_any_vpp_and_m():
+    check_schedule("afab", 3, 5, 4)
+    check_schedule("afab", 1, 1, None)
