@@ -112,7 +112,8 @@ class ProfileSteps(L.Callback):
             torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
             self.done = True
-            with open(self.path, "w") as f:
+            path = self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
+            with open(path, "w") as f:
                 f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
