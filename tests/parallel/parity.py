@@ -101,7 +101,7 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
                                                             tensor_parallel_size=case.tp,
                                                             context_parallel_size=case.cp, sequence_parallel=case.sp,
                                                             pipeline_parallel_size=case.pp, num_microbatches=case.m,
-                                                            timeout=120, **case.strategy), case.world, \
+                                                            timeout=int(os.environ.get("LMOE_PARITY_TIMEOUT", "120")), **case.strategy), case.world, \
             GLOBAL_BATCH // dp, 1
     elif case.precision != "32-true":
         # the reference also keeps fp32 main params, which plain Lightning bf16-true does not

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_moe.strategy.pipeline.p2p import StageComm
-from lightning_moe.strategy.pipeline.schedules import Op, build_schedule, forward_order, simulate
+from lightning_moe.strategy.pipeline.schedules import Op, build_schedule, exchange_phases, forward_order, simulate
 
 
 def split_microbatches(batch: Any, m: int) -> list:
@@ -76,6 +76,7 @@ class PipelineEngine:
         self.pp, self.rank = ctx.pp, ctx.rank("pp")
         vpp = ctx.virtual_pipeline_size if ctx.vpp > 1 else None
         self.train_ops = build_schedule(schedule, self.pp, self.rank, self.m, vpp)
+        self.train_phases = exchange_phases(schedule, self.pp, self.rank, self.m, vpp)
         self.forward_ops = [Op("F", mb, c) for mb, c in forward_order(self.pp, self.m, vpp)]
         # the bubble of this schedule with backward = 2 x forward and free communication (schedules.simulate)
         self.ideal_bubble_fraction = simulate(schedule, self.pp, self.m, vpp)["bubble_fraction"]
@@ -109,57 +110,54 @@ class PipelineEngine:
         lm_sum = torch.zeros((), device=device, dtype=torch.float32)
         aux_sum = torch.zeros((), device=device, dtype=torch.float32)
         saved: dict = {}
-        recvs: dict = {}
+        sends: list = []  # produced by the previous op; they go out with this op's receive
 
         def needs_recv(op: Op) -> Optional[str]:
             if op.kind == "F":
                 return None if model.is_first_chunk(op.chunk) else "act"
             return None if model.is_last_chunk(op.chunk) else "grad"
 
-        def post(i: int) -> None:
-            # receives are posted in op order, which on each (edge, kind) group is the senders' order
-            if i < len(ops) and i not in recvs:
-                kind = needs_recv(ops[i])
-                recvs[i] = self.comm.recv(kind, shape, dtype, device) if kind else (None, None)
-
-        for i, op in enumerate(ops):
-            post(i)
-            post(i + 1)  # prefetch: the next op's input arrives while this one computes
-            buf, work = recvs.pop(i)
-            if work is not None:
-                work.wait()
+        phases = self.train_phases if train else [[k] for k in range(len(ops))]
+        for phase in phases:
+            bufs = {k: (needs_recv(ops[k]), torch.empty(shape, dtype=dtype, device=device))
+                    for k in phase if needs_recv(ops[k])}
+            if self.comm is not None and (sends or bufs):
+                self.comm.exchange(sends, list(bufs.values()))
+            sends = []
             if timer:
                 timer.mark()
-            key = (op.microbatch, op.chunk)
-            if op.kind == "F":
-                x = buf.requires_grad_(train) if buf is not None else None
-                with forward_context():
-                    out, aux = module.pipeline_forward(op.chunk, mbs[op.microbatch], x)
-                aux_sum += aux.detach().float()
-                if model.is_last_chunk(op.chunk):
-                    lm_sum += out.detach().float()
-                    if train:
-                        saved[key] = (x, ((out + aux) * scale,), (None,))
+            for i in phase:
+                op, buf = ops[i], bufs[i][1] if i in bufs else None
+                key = (op.microbatch, op.chunk)
+                if op.kind == "F":
+                    x = buf.requires_grad_(train) if buf is not None else None
+                    with forward_context():
+                        out, aux = module.pipeline_forward(op.chunk, mbs[op.microbatch], x)
+                    aux_sum += aux.detach().float()
+                    if model.is_last_chunk(op.chunk):
+                        lm_sum += out.detach().float()
+                        if train:
+                            saved[key] = (x, ((out + aux) * scale,), (None,))
+                    else:
+                        sends.append(("act", out.to(dtype)))
+                        if train:
+                            roots, grads = [out], ["recv"]
+                            if aux.requires_grad:  # a chunk with MoE layers: its aux loss joins the backward
+                                roots.append(aux * scale)
+                                grads.append(None)
+                            saved[key] = (x, roots, grads)
                 else:
-                    self.comm.send("act", out.to(dtype))
-                    if train:
-                        roots, grads = [out], ["recv"]
-                        if aux.requires_grad:  # a chunk with MoE layers: its aux loss joins the backward
-                            roots.append(aux * scale)
-                            grads.append(None)
-                        saved[key] = (x, roots, grads)
-            else:
-                x, roots, grads = saved.pop(key)
-                if grad_sync is not None and grad_sync.armed and i == last_b[op.chunk]:
-                    grad_sync.expect_final(model.chunk_parameters(op.chunk))
-                grads = [buf if g == "recv" else g for g in grads]
-                torch.autograd.backward(list(roots), grads)
-                if not model.is_first_chunk(op.chunk):
-                    self.comm.send("grad", x.grad)
+                    x, roots, grads = saved.pop(key)
+                    if grad_sync is not None and grad_sync.armed and i == last_b[op.chunk]:
+                        grad_sync.expect_final(model.chunk_parameters(op.chunk))
+                    grads = [buf if g == "recv" else g for g in grads]
+                    torch.autograd.backward(list(roots), grads)
+                    if not model.is_first_chunk(op.chunk):
+                        sends.append(("grad", x.grad))
             if timer:
                 timer.mark()
-        if self.comm is not None:
-            self.comm.finish()
+        if sends:
+            self.comm.exchange(sends, [])
         if timer:
             timer.mark()
             self._timer = timer

@@ -7,6 +7,7 @@ one direction of one kind only, in the order the schedules produce and consume t
 ``schedules.check_p2p_order``). This is what makes untagged FIFO matching safe on NCCL, and it means no stream ever
 holds a send queued behind a receive from the same peer, which could deadlock. Shapes and dtypes are known ahead (every
 stage sees the same batch), so there is no shape handshake.
+
 """
 
 from __future__ import annotations
@@ -29,14 +30,22 @@ class PipelineGroups:
     recv: dict = field(default_factory=dict)  # kind -> group
     embed: Optional[dist.ProcessGroup] = None  # first and last stage: gradients of tied embeddings
     embed_ranks: tuple = ()
-    ordered: list = field(default_factory=list)  # this rank's groups in the (global) order they were created
+    # this rank's groups in the (global) order they were created: (group, "send"|"recv"|"all", peer)
+    ordered: list = field(default_factory=list)
 
     def warmup(self, device: torch.device) -> None:
-        """Create every communicator up front, in the global creation order (no rank waits on a peer that is
-        initialising another one, which lazy NCCL initialisation inside a schedule could cause)."""
-        t = torch.zeros(1, device=device)
-        for g in self.ordered:
-            dist.all_reduce(t, group=g)
+        """Connect every edge up front with one small transfer each, in the global creation order. NCCL sets up a
+        peer connection on its first send/receive and blocks the host until the peer joins; inside a schedule that
+        wait can close a cycle (a rank blocked posting a prefetched receive never issues the send its peer waits
+        for), which hung the first NCCL runs."""
+        t = torch.zeros(1 << 16, device=device)
+        for g, role, peer in self.ordered:
+            if role == "all":
+                dist.all_reduce(t[:1], group=g)
+            else:
+                _p2p(dist.isend if role == "send" else dist.irecv, t, peer, g).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def make_pipeline_groups(pp_groups, rank: int, timeout=None) -> Optional[PipelineGroups]:
@@ -59,13 +68,15 @@ def make_pipeline_groups(pp_groups, rank: int, timeout=None) -> Optional[Pipelin
                     mine.send[kind] = g
                 if pos == j:
                     mine.recv[kind] = g
-                if pos in (i, j):
-                    mine.ordered.append(g)
+                if pos == i:
+                    mine.ordered.append((g, "send", ranks[j]))
+                elif pos == j:
+                    mine.ordered.append((g, "recv", ranks[i]))
         embed_ranks = (ranks[0], ranks[-1])
         g = dist.new_group(list(embed_ranks), **kwargs)
         if pos is not None and rank in embed_ranks:
             mine.embed, mine.embed_ranks = g, embed_ranks
-            mine.ordered.append(g)
+            mine.ordered.append((g, "all", None))
     return mine
 
 
@@ -76,24 +87,30 @@ def _p2p(op, t: torch.Tensor, peer: int, group):
 
 
 class StageComm:
-    """Asynchronous sends and receives of one pipeline rank. Sends are waited for at ``finish`` (the tensors are
-    kept alive until then); a receive returns its buffer and a work handle to wait on before use."""
+    """The transfers of one pipeline rank, one exchange per schedule op: the sends the previous op produced go out
+    together with the receive this op needs, and all of them complete before the rank computes again.
+
+    Completing them first is what NCCL requires of several communicators (its docs, "Using multiple NCCL
+    communicators concurrently"): a receive kernel left waiting on the GPU while the host computes can be caught by an
+    implicit device synchronisation (a Triton module load, a cudaFree), and then neither rank issues the send the
+    other waits for -- the first NCCL runs hung exactly so. Megatron synchronises after its batched p2p for the same
+    reason. The exchanges follow Megatron's structure (``schedules.exchange_phases``: a steady-state (F, B) pair
+    receives both inputs at once and sends both outputs at once); ``schedules.simulate_rendezvous`` checks that no
+    schedule deadlocks under these rendezvous semantics (one exchange per op does, for interleaved 1F1B)."""
 
     def __init__(self, groups: PipelineGroups):
         self.groups = groups
-        self._sends: list = []
 
-    def send(self, kind: str, t: torch.Tensor) -> None:
-        dst = self.groups.next_rank if kind == "act" else self.groups.prev_rank
-        t = t.detach().contiguous()
-        self._sends.append((_p2p(dist.isend, t, dst, self.groups.send[kind]), t))
-
-    def recv(self, kind: str, shape, dtype: torch.dtype, device: torch.device):
-        src = self.groups.prev_rank if kind == "act" else self.groups.next_rank
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        return buf, _p2p(dist.irecv, buf, src, self.groups.recv[kind])
-
-    def finish(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+    def exchange(self, sends: list, recvs: list) -> None:
+        """``sends``: [(kind, tensor)]; ``recvs``: [(kind, buffer)]. Returns when all have completed."""
+        works = []
+        for kind, t in sends:
+            dst = self.groups.next_rank if kind == "act" else self.groups.prev_rank
+            works.append(_p2p(dist.isend, t.detach().contiguous(), dst, self.groups.send[kind]))
+        for kind, buf in recvs:
+            src = self.groups.prev_rank if kind == "act" else self.groups.next_rank
+            works.append(_p2p(dist.irecv, buf, src, self.groups.recv[kind]))
+        for w in works:
+            w.wait()
+        if any(t.is_cuda for _, t in sends + recvs):
+            torch.cuda.current_stream().synchronize()  # see the class docstring: nothing left running on the GPU

@@ -97,20 +97,25 @@ def build_schedule(schedule: str, pp: int, rank: int, num_microbatches: int, vpp
     fwd = [Op("F", mb, c) for mb, c in forward_order(pp, num_microbatches, vpp)]
     bwd = [Op("B", mb, c) for mb, c in backward_order(pp, num_microbatches, vpp)]
     total = len(fwd)
-    if schedule == "afab":
-        return fwd + bwd
-    if schedule == "1f1b":
-        # Stage r keeps pp - r - 1 forwards in flight before the first gradient comes back.
-        warmup = min(pp - rank - 1, total)
-    elif num_microbatches == pp:
-        warmup = total  # Megatron runs everything as warmup here: all forwards, then all backwards
-    else:
-        # Twice the 1f1b depth (Megatron overlaps send and receive) plus a full round over the other chunks.
-        warmup = min((pp - rank - 1) * 2 + (_vpp(vpp) - 1) * pp, total)
+    warmup = _warmup(schedule, pp, rank, num_microbatches, vpp)
     ops = fwd[:warmup]
     for i in range(total - warmup):
         ops += [fwd[warmup + i], bwd[i]]
     return ops + bwd[total - warmup:]
+
+
+def _warmup(schedule: str, pp: int, rank: int, num_microbatches: int, vpp: int | None) -> int:
+    """Forwards before the first backward (the rest alternate F, B, then the remaining Bs)."""
+    total = num_microbatches * _vpp(vpp)
+    if schedule == "afab":
+        return total
+    if schedule == "1f1b":
+        # Stage r keeps pp - r - 1 forwards in flight before the first gradient comes back.
+        return min(pp - rank - 1, total)
+    if num_microbatches == pp:
+        return total  # Megatron runs everything as warmup here: all forwards, then all backwards
+    # Twice the 1f1b depth (Megatron overlaps send and receive) plus a full round over the other chunks.
+    return min((pp - rank - 1) * 2 + (_vpp(vpp) - 1) * pp, total)
 
 
 def _validate(ops_by_rank: list[list[Op]], pp: int, vpp: int) -> None:
@@ -252,3 +257,73 @@ def check_p2p_order(schedule: str, pp: int, num_microbatches: int, vpp: int | No
     if problems:
         raise RuntimeError(f"schedule {schedule!r} (pp={pp}, num_microbatches={num_microbatches}, vpp={vpp}) "
                            f"mismatches point-to-point messages: " + "; ".join(problems))
+
+
+def exchange_phases(schedule: str, pp: int, rank: int, num_microbatches: int,
+                    vpp: int | None = None) -> list[list[int]]:
+    """Indices into ``build_schedule``'s ops, grouped into the phases between which the executor exchanges
+    activations and gradients. Megatron's structure: each warmup forward and each cooldown backward is its own phase;
+    each steady-state (F, B) pair is one (its inputs arrive together before it, its outputs leave together after)."""
+    total = num_microbatches * _vpp(vpp)
+    warmup = _warmup(schedule, pp, rank, num_microbatches, vpp)
+    steady = total - warmup
+    return ([[k] for k in range(warmup)] + [[warmup + 2 * i, warmup + 2 * i + 1] for i in range(steady)]
+            + [[k] for k in range(warmup + 2 * steady, 2 * total)])
+
+
+def simulate_rendezvous(schedule: str, pp: int, num_microbatches: int, vpp: int | None = None) -> None:
+    """``check_rendezvous`` for a schedule: RuntimeError if its exchanges can deadlock."""
+    ops = [build_schedule(schedule, pp, r, num_microbatches, vpp) for r in range(pp)]
+    phases = [exchange_phases(schedule, pp, r, num_microbatches, vpp) for r in range(pp)]
+    check_rendezvous(ops, phases, pp, vpp)
+
+
+def check_rendezvous(ops_by_rank: list[list[Op]], phases_by_rank: list[list[list[int]]], pp: int,
+                     vpp: int | None = None) -> None:
+    """Check the executor's communication pattern cannot deadlock (RuntimeError naming the stuck ranks if it can).
+
+    The executor (``engine.PipelineEngine`` with ``p2p.StageComm``) runs one exchange before each phase of
+    ``exchange_phases``: the sends produced by the previous phase and the receives this phase needs, and waits until
+    all of them complete; one more exchange after the last phase sends what it produced. A send completes only once
+    its receiver has posted the matching receive, and a receive once its sender has posted the send (NCCL
+    rendezvous, no buffering assumed)."""
+    V = pp * _vpp(vpp)
+    last = V - 1
+    sent_at: dict = {}  # message -> (rank, exchange index)
+    recv_at: dict = {}
+    steps: list[list[list]] = []
+    for rank, (ops, phases) in enumerate(zip(ops_by_rank, phases_by_rank)):
+        ex: list[list] = [[] for _ in range(len(phases) + 1)]
+        for j, phase in enumerate(phases):
+            for k in phase:
+                op = ops[k]
+                v = op.chunk * pp + rank
+                step = 1 if op.kind == "F" else -1
+                kind = "act" if op.kind == "F" else "grad"
+                if (op.kind == "F" and v > 0) or (op.kind == "B" and v < last):
+                    recv_at[(kind, op.microbatch, v)] = (rank, j)
+                    ex[j].append(("recv", (kind, op.microbatch, v)))
+                if (op.kind == "F" and v < last) or (op.kind == "B" and v > 0):
+                    sent_at[(kind, op.microbatch, v + step)] = (rank, j + 1)
+                    ex[j + 1].append(("send", (kind, op.microbatch, v + step)))
+        steps.append(ex)
+    pos = [0] * pp
+
+    def ready(rank: int) -> bool:
+        for what, msg in steps[rank][pos[rank]]:
+            peer, k = (recv_at if what == "send" else sent_at)[msg]
+            if pos[peer] < k:  # the peer has not posted its side yet
+                return False
+        return True
+
+    while True:
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(steps[r]) and ready(r):
+                pos[r] += 1
+                moved = True
+        if all(pos[r] == len(steps[r]) for r in range(pp)):
+            return
+        if not moved:
+            stuck = [f"rank {r} at exchange {pos[r]}: {steps[r][pos[r]]}" for r in range(pp) if pos[r] < len(steps[r])]
+            raise RuntimeError("deadlock in the p2p exchanges: " + "; ".join(stuck))
