@@ -22,6 +22,10 @@ CASES = [
     Case("pp2_uneven_tied", 2, pp=2, m=2, model=dict(num_layers=3, tie_embeddings=True, first_k_dense=1,
                                                       shared_expert_ffn_size=32),
          strategy=dict(pipeline_first_stage_layers=1)),
+    # the expert-bias counts and the global-aux-loss window accumulate over the micro-batches of both stages' layers
+    Case("pp2_bias_global_aux_m4", 2, pp=2, m=4, model=dict(num_layers=4, expert_bias=True, bias_update_rate=1e-2,
+                                                           score_function="sigmoid",
+                                                           load_balancing="global_aux_loss")),
     Case("pp2_ep2", 4, pp=2, ep=2, m=2, model=FOUR),
     Case("pp2_tp2", 4, pp=2, tp=2, m=4, model=FOUR),
 ]
