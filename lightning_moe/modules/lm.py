@@ -140,7 +140,7 @@ class MoELanguageModel(L.LightningModule):
             out = self._report_train(batch, lm_loss, aux, over=("tp", "pp"))
             out["loss"] = out["lm_loss"] + out["aux_loss"]  # detached: the schedule already ran backward
             return out
-        self.log("val_loss", lm_loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self.log(f"{stage}_loss", lm_loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
         return lm_loss
 
     def _writes_logs_now(self) -> bool:

@@ -253,12 +253,13 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext,
     for p in params:
         if p.grad is not None and not getattr(p, "pp_tied_copy", False):
             (expert if is_expert_param(p) else sharded if is_tp_sharded(p, ctx) else dense).append(p.grad)
-    ref = (dense or sharded or expert)[0]
+    grads = dense or sharded or expert
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
     inf = math.isinf(norm_type)
 
     def local(gs):
-        if not gs:
-            return torch.zeros((), device=ref.device, dtype=torch.float32)
+        if not gs:  # still joins the collectives below: other ranks (e.g. other pipeline stages) wait in them
+            return torch.zeros((), device=device, dtype=torch.float32)
         norms = torch.stack([n.float() for n in torch._foreach_norm(gs, norm_type)])
         return norms.max() if inf else norms.pow(norm_type).sum()
 
@@ -275,10 +276,10 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext,
 def clip_grad_norm_global_(params: Iterable[torch.nn.Parameter], max_norm: float, ctx: ParallelContext,
                            norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the true global norm. No host sync: the coefficient stays a tensor."""
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    total = global_grad_norm(params, ctx, norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.dtype))
+    params = list(params)
+    total = global_grad_norm(params, ctx, norm_type)  # collective: also on a rank without gradients
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total

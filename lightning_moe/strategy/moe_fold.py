@@ -292,7 +292,10 @@ class MoEFoldStrategy(ParallelStrategy):
         batch, batch_idx = _batch_args(args, kwargs)
         module = self.lightning_module
         trainer = module.trainer
-        if batch_idx % trainer.accumulate_grad_batches == 0:
+        # the index Lightning's own zero_grad decision uses (also when training_step takes no batch_idx)
+        loop_idx = trainer.fit_loop.epoch_loop.batch_idx
+        self._skip_zero_grad = False  # never carried over from a step whose zero_grad Lightning did not call
+        if loop_idx % trainer.accumulate_grad_batches == 0:
             # Lightning zeroes gradients between training_step and backward; the schedule's backwards run inside
             # training_step, so zero now and skip Lightning's zero_grad of this step
             for opt in self.optimizers:
@@ -312,7 +315,7 @@ class MoEFoldStrategy(ParallelStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().test_step(*args, **kwargs)
-        return self._forward_only(args, kwargs, "val", self.precision_plugin.test_step_context)
+        return self._forward_only(args, kwargs, "test", self.precision_plugin.test_step_context)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:

@@ -74,3 +74,13 @@ def test_forward_refuses_a_partial_model():
     cfg = ModelConfig.from_preset("tiny", num_layers=2)
     with pytest.raises(RuntimeError, match="forward_chunk"):
         MoETransformer(cfg, _ctx(2, 0))(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_clipping_on_a_rank_without_gradients_still_returns_the_norm():
+    """A pipeline stage whose parameters got no gradient must still join the norm's collectives (no early return)."""
+    from lightning_moe.strategy.grad_sync import clip_grad_norm_global_
+    p = torch.nn.Parameter(torch.ones(3))
+    assert clip_grad_norm_global_([p], 1.0, ParallelContext.single()).item() == 0.0
+    p.grad = torch.full((3,), 2.0)
+    total = clip_grad_norm_global_([p], 1.0, ParallelContext.single())
+    assert total.item() == pytest.approx(12 ** 0.5) and p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)

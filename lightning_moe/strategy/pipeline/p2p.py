@@ -28,6 +28,7 @@ class PipelineGroups:
     prev_rank: int
     send: dict = field(default_factory=dict)  # kind -> group
     recv: dict = field(default_factory=dict)  # kind -> group
+    order: dict = field(default_factory=dict)  # (direction, kind) -> the group's global creation index
     embed: Optional[dist.ProcessGroup] = None  # first and last stage: gradients of tied embeddings
     embed_ranks: tuple = ()
     # this rank's groups in the (global) order they were created: (group, "send"|"recv"|"all", peer)
@@ -53,6 +54,7 @@ def make_pipeline_groups(pp_groups, rank: int, timeout=None) -> Optional[Pipelin
     same order). ``pp_groups``: the global ranks of each pipeline in stage order."""
     kwargs = {"timeout": timeout} if timeout is not None else {}
     mine: Optional[PipelineGroups] = None
+    created = 0
     for ranks in pp_groups:
         pp = len(ranks)
         if pp == 1:
@@ -64,10 +66,11 @@ def make_pipeline_groups(pp_groups, rank: int, timeout=None) -> Optional[Pipelin
             for i in range(pp):
                 j = (i + step) % pp
                 g = dist.new_group(sorted({ranks[i], ranks[j]}), **kwargs)
+                created += 1
                 if pos == i:
-                    mine.send[kind] = g
+                    mine.send[kind], mine.order[("send", kind)] = g, created
                 if pos == j:
-                    mine.recv[kind] = g
+                    mine.recv[kind], mine.order[("recv", kind)] = g, created
                 if pos == i:
                     mine.ordered.append((g, "send", ranks[j]))
                 elif pos == j:
@@ -103,13 +106,16 @@ class StageComm:
 
     def exchange(self, sends: list, recvs: list) -> None:
         """``sends``: [(kind, tensor)]; ``recvs``: [(kind, buffer)]. Returns when all have completed."""
-        works = []
-        for kind, t in sends:
-            dst = self.groups.next_rank if kind == "act" else self.groups.prev_rank
-            works.append(_p2p(dist.isend, t.detach().contiguous(), dst, self.groups.send[kind]))
-        for kind, buf in recvs:
-            src = self.groups.prev_rank if kind == "act" else self.groups.next_rank
-            works.append(_p2p(dist.irecv, buf, src, self.groups.recv[kind]))
+        g = self.groups
+        ops = [(g.order[("send", kind)], dist.isend, t.detach().contiguous(),
+                g.next_rank if kind == "act" else g.prev_rank, g.send[kind]) for kind, t in sends]
+        ops += [(g.order[("recv", kind)], dist.irecv, buf, g.prev_rank if kind == "act" else g.next_rank,
+                 g.recv[kind]) for kind, buf in recvs]
+        # both ends of every edge post in the same (global creation) order: if the GPU runs the NCCL kernels one after
+        # another (e.g. CUDA_DEVICE_MAX_CONNECTIONS=1), a send queued before a receive its peer queued after its own
+        # send could otherwise wait forever
+        ops.sort(key=lambda o: o[0])
+        works = [_p2p(op, t, peer, group) for _, op, t, peer, group in ops]
         for w in works:
             w.wait()
         if any(t.is_cuda for _, t in sends + recvs):
