@@ -133,6 +133,18 @@ def _deepseek_v3(hf) -> dict:
 _FROM_HF = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
 
 
+def read_hf_config(path: str):
+    """The transformers config of a local Hugging Face model directory (no hub access)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: config.json is missing")
+    try:
+        import transformers
+    except ImportError as e:  # an optional dependency: pip install 'lightning-moe[hf]'
+        raise ImportError("importing Hugging Face checkpoints needs transformers and safetensors: "
+                          "pip install 'lightning-moe[hf]'") from e
+    return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+
+
 def config_from_hf(hf_config, **overrides) -> ModelConfig:
     """Our ModelConfig for a transformers MixtralConfig, Qwen3MoeConfig or DeepseekV3Config. ``overrides`` set
     further fields (``seq_length``, ``dispatcher``, ``capacity_factor``, ...). The HF config travels in

@@ -35,19 +35,26 @@ class MoELanguageModel(L.LightningModule):
             Trainer's estimated stepping batches.
         seed: weight-initialisation seed; the same seed gives the same full weights on every layout.
         log_expert_load: log per-layer load (token fraction per expert when E <= 16, imbalance, dropped fraction).
+        init_from_hf: a local Hugging Face directory (config.json + safetensors) of a Mixtral, Qwen3-MoE or
+            DeepSeek-V3 model. Without ``config``/``preset`` the model config comes from it (``overrides`` still apply,
+            e.g. ``seq_length``); its weights replace the seeded initialisation at ``configure_model``, each rank
+            reading only its own shards. A checkpoint given to ``fit(ckpt_path=...)`` still overrides them.
     """
 
     def __init__(self, config: Optional[ModelConfig] = None, preset: Optional[str] = None,
                  overrides: Optional[dict] = None, lr: float = 3e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 100,
                  min_lr_ratio: float = 0.1, max_steps: Optional[int] = None, seed: int = 1234,
-                 log_expert_load: bool = True):
+                 log_expert_load: bool = True, init_from_hf: Optional[str] = None):
         super().__init__()
         if config is not None and preset is not None:
             raise ValueError("MoELanguageModel: give either config or preset (with overrides), not both")
         if isinstance(config, dict):  # as stored in checkpoints' hyper_parameters
             config = ModelConfig(**config)
-        if config is None:
+        if config is None and preset is None and init_from_hf is not None:
+            from lightning_moe.hf_interop import config_from_hf, read_hf_config
+            config = config_from_hf(read_hf_config(init_from_hf), **(overrides or {}))
+        elif config is None:
             config = ModelConfig.from_preset(preset or "tiny", **(overrides or {}))
         elif overrides:
             config = config.replace(**overrides)
@@ -68,6 +75,9 @@ class MoELanguageModel(L.LightningModule):
             return
         self.model = MoETransformer(self.config, self.parallel_context)
         self.model.init_weights(self.hparams.seed)
+        if self.hparams.init_from_hf is not None:
+            from lightning_moe.hf_interop import load_hf_weights
+            load_hf_weights(self.model, self.hparams.init_from_hf)
 
     def check_layout(self, layout, pipeline_first_layers: Optional[int] = None,
                      pipeline_last_layers: Optional[int] = None) -> None:
