@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import lightning.pytorch as pl
 import numpy as np
@@ -153,17 +153,35 @@ class GlobalBatchSampler(DistributedSampler):
         self.advance_per_epoch, self.epoch, self.shuffle, self.drop_last, self.seed = advance_per_epoch, 0, False, True, 0
         self.num_samples = num_batches * batch_size
         self.total_size = self.num_samples * size
+        self.resume_skip = 0  # global batches of the current epoch already consumed before a resume (next pass only)
 
     def __iter__(self) -> Iterator[int]:
         # a new epoch continues the stream rather than repeating it (the val set stays fixed)
         first = self.start_batch + (self.epoch * self.num_batches if self.advance_per_epoch else 0)
+        skip, self.resume_skip = self.resume_skip, 0
         gb = self.batch_size * self.num_replicas
-        for g in range(first, first + self.num_batches):
+        for g in range(first + skip, first + self.num_batches):
             base = g * gb + self.rank * self.batch_size
             yield from range(base, base + self.batch_size)
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class ResumableLoader(DataLoader):
+    """The training loader, resumable mid-epoch through Lightning's stateful-dataloader interface: its state is the
+    number of batches of the current epoch that training consumed (read from the trainer's progress, so prefetching
+    does not count), and a restored loader starts its next pass right after them."""
+
+    def __init__(self, *args, consumed: Callable[[], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._consumed = consumed
+
+    def state_dict(self) -> dict:
+        return {"batches_in_epoch": int(self._consumed())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.resume_skip = int(state.get("batches_in_epoch", 0))
 
 
 class TokenDataModule(pl.LightningDataModule):
@@ -222,18 +240,29 @@ class TokenDataModule(pl.LightningDataModule):
         _check_token_file(path, self.dtype, self.seq_length)
         self._resolved_path = path
 
-    def _loader(self, stream: int, num_batches: int, advance: bool) -> DataLoader:
+    def _loader(self, stream: int, num_batches: int, advance: bool, **extra) -> DataLoader:
         if self._resolved_path is None:
             self.setup()
         rank, size = self.data_parallel()
         ds = TokenWindowDataset(self._resolved_path, self.dtype, self.seq_length, self.seed, stream)
         sampler = GlobalBatchSampler(ds, self.batch_size, num_batches, rank, size, advance_per_epoch=advance)
-        return DataLoader(ds, batch_size=self.batch_size, sampler=sampler, shuffle=False, drop_last=True,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        cls = ResumableLoader if extra else DataLoader
+        return cls(ds, batch_size=self.batch_size, sampler=sampler, shuffle=False, drop_last=True,
+                   num_workers=self.num_workers, persistent_workers=self.num_workers > 0, **extra)
+
+    def _train_batches_in_epoch(self) -> int:
+        # checkpoints are written at optimizer-step boundaries: every batch of the finished steps was consumed
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0
+        consumed = trainer.global_step * trainer.accumulate_grad_batches
+        per_epoch = trainer.num_training_batches
+        return consumed - trainer.current_epoch * per_epoch if per_epoch != float("inf") else consumed
 
     def train_dataloader(self) -> DataLoader:
         _, size = self.data_parallel()
-        return self._loader(_TRAIN_STREAM, max(1, self.train_samples // (self.batch_size * size)), advance=True)
+        return self._loader(_TRAIN_STREAM, max(1, self.train_samples // (self.batch_size * size)), advance=True,
+                            consumed=self._train_batches_in_epoch)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(_VAL_STREAM, self.val_batches, advance=False)
