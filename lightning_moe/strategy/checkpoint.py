@@ -3,8 +3,10 @@ metadata) plus ``meta.json`` describing the layout. Nothing is gathered to one r
 
 Saves are atomic: every rank writes into ``<path>.tmp``; only after all shards exist does rank 0 move the directory
 into place, so a crash mid-save leaves the last good checkpoint untouched. Loads use ``torch.load(weights_only=True)``
-(no arbitrary unpickling). Loading needs the layout the checkpoint was written with; resharding across layouts is
-a separate feature (distributed checkpoint with global-shape metadata).
+(no arbitrary unpickling). The same layout resumes exactly from the shard files. Every save also holds a
+layout-independent copy of the model weights (``model_dcp/``, torch.distributed.checkpoint with global shapes, see
+``reshard.py``), from which another layout (TP, EP, ETP, PP, DP) loads its own shards; the optimizer moments then
+start afresh.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -37,8 +39,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dict, barrier: Callable[[str], None]
-                 ) -> None:
+MODEL_DCP = "model_dcp"  # layout-independent copy of the model weights (strategy/reshard.py)
+
+
+def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dict, barrier: Callable[[str], None],
+                 write_model: Optional[Callable[[Path], None]] = None) -> None:
+    """``write_model(dir)``: collective, writes the layout-independent model copy into the save's directory."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
@@ -51,6 +57,8 @@ def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dic
         torch.save(checkpoint, f)
         f.flush()
         os.fsync(f.fileno())
+    if write_model is not None:
+        write_model(tmp / MODEL_DCP)
     barrier("moe_fold.save.written")
     if rank == 0:
         meta = {"format": FORMAT, "world_size": world_size, "layout": layout,
@@ -82,7 +90,11 @@ def _recover(path: Path) -> None:
             return
 
 
-def load_sharded(path, rank: int, world_size: int, layout: dict) -> dict:
+def load_sharded(path, rank: int, world_size: int, layout: dict,
+                 reshard_model: Optional[Callable[[Path], dict]] = None) -> dict:
+    """This rank's checkpoint dict. Under another layout (``reshard_model`` given and the checkpoint has a
+    layout-independent model copy): Lightning's replicated state from shard 0, ``state_dict`` from
+    ``reshard_model(dir)``, and ``optimizer_states`` set to None (optimizer moments are not resharded)."""
     path = Path(path)
     if not path.exists() and (is_sharded_checkpoint(path.with_name(path.name + ".tmp"))
                               or is_sharded_checkpoint(path.with_name(path.name + ".old"))):
@@ -102,12 +114,21 @@ def load_sharded(path, rank: int, world_size: int, layout: dict) -> dict:
         raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT!r})")
     if meta["world_size"] != world_size or meta["layout"] != layout:
         diff = {k: (meta["layout"].get(k), v) for k, v in layout.items() if meta["layout"].get(k) != v}
+        if reshard_model is not None and (path / MODEL_DCP / ".metadata").is_file():
+            checkpoint = _load_shard(path / shard_name(0))
+            checkpoint["state_dict"] = reshard_model(path / MODEL_DCP)
+            checkpoint["optimizer_states"] = None
+            return checkpoint
         raise ValueError(f"{path} was written with world_size={meta['world_size']} and layout {meta['layout']}; "
                          f"this run has world_size={world_size} (differences saved -> now: {diff}). Loading a "
-                         "sharded checkpoint onto another layout (resharding) is not supported yet.")
-    shard = path / shard_name(rank)
+                         "checkpoint onto another layout needs its layout-independent model copy "
+                         f"({MODEL_DCP}/), which this checkpoint lacks (written by an older version).")
+    return _load_shard(path / shard_name(rank))
+
+
+def _load_shard(shard: Path) -> dict:
     if not shard.is_file():
-        raise ValueError(f"{path}: shard {shard.name} of rank {rank} is missing (truncated checkpoint)")
+        raise ValueError(f"{shard.parent}: shard {shard.name} is missing (truncated checkpoint)")
     try:
         return torch.load(shard, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named

@@ -35,6 +35,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_moe.strategy.checkpoint import load_sharded, save_sharded
+from lightning_moe.strategy.reshard import load_model, save_model
 from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
 from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
@@ -386,11 +387,39 @@ class MoEFoldStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("MoEFoldStrategy.save_checkpoint does not take storage_options")
         path = self.broadcast(str(filepath))
-        save_sharded(checkpoint, path, self.global_rank, self.world_size, self._layout_dict(), self.barrier)
+        module, ctx = self.lightning_module, self.parallel_context
+
+        def write_model(directory) -> None:  # the checkpoint's state_dict holds the fp32 main weights when in use
+            save_model(module, ctx, str(directory), tensors=checkpoint["state_dict"])
+
+        save_sharded(checkpoint, path, self.global_rank, self.world_size, self._layout_dict(), self.barrier,
+                     write_model=write_model)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         path = self.broadcast(str(checkpoint_path))
-        return load_sharded(path, self.global_rank, self.world_size, self._layout_dict())
+        module, ctx = self.lightning_module, self.parallel_context
+
+        def reshard_model(directory) -> dict:
+            # this rank's shards of every tensor, in the dtypes a checkpoint holds (fp32 main weights when in use)
+            tensors = {n: t.detach().clone() for n, t in module.state_dict().items()}
+            if self._main_params is not None:
+                tensors.update({n: t.detach().clone() for n, t in
+                                self._main_params.state_dict_overrides(module).items()})
+            load_model(module, ctx, str(directory), tensors=tensors)
+            return tensors
+
+        checkpoint = load_sharded(path, self.global_rank, self.world_size, self._layout_dict(),
+                                  reshard_model=reshard_model)
+        if checkpoint.get("optimizer_states", ()) is None:
+            rank_zero_warn(f"MoEFoldStrategy: {path} was written under another layout; the weights were resharded "
+                           "onto this one, the training progress and LR schedule restored, and the optimizer "
+                           "moments start afresh (they are not resharded yet).")
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if checkpoint.get("optimizer_states", ()) is None:  # resharded: keep the fresh optimizer state
+            return
+        super().load_optimizer_state_dict(checkpoint)
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:

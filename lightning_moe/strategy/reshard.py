@@ -57,11 +57,14 @@ def _tp_pieces(name: str, t: torch.Tensor, dim: int, parts: int, rank: int, size
     return pieces
 
 
-def model_pieces(model: nn.Module, ctx, prefix: str = "") -> list[Piece]:
-    """The logical blocks of every tensor of ``model.state_dict()`` this rank holds."""
+def model_pieces(model: nn.Module, ctx, prefix: str = "", tensors: Optional[dict] = None) -> list[Piece]:
+    """The logical blocks of every tensor of ``model.state_dict()`` this rank holds. ``tensors`` stands in for the
+    state dict's tensors (same names and shapes, e.g. fp32 main copies of bf16 weights); the module still tells how
+    each one is sharded."""
     pieces = []
     params = dict(model.named_parameters())
-    for name, t in model.state_dict(keep_vars=True).items():
+    source = tensors if tensors is not None else model.state_dict(keep_vars=True)
+    for name, t in source.items():
         t = t.detach()
         p = params.get(name)
         if p is not None and getattr(p, "is_expert", False):
@@ -131,14 +134,18 @@ class _LoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the live tensor: the reader copied into it in place
 
 
-def save_model(model: nn.Module, ctx, path: str, process_group: Optional[object] = None) -> None:
-    """Collective: every rank writes its blocks of ``model``'s logical tensors into the DCP directory ``path``."""
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(path), planner=_SavePlanner(model_pieces(model, ctx)),
-             process_group=process_group)
+def save_model(model: nn.Module, ctx, path: str, tensors: Optional[dict] = None,
+               process_group: Optional[object] = None) -> None:
+    """Collective: every rank writes its blocks of ``model``'s logical tensors (or of ``tensors``, see
+    ``model_pieces``) into the DCP directory ``path``."""
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(path),
+             planner=_SavePlanner(model_pieces(model, ctx, tensors=tensors)), process_group=process_group)
 
 
 @torch.no_grad()
-def load_model(model: nn.Module, ctx, path: str, process_group: Optional[object] = None) -> None:
-    """Collective: fill this rank's blocks of ``model`` from a DCP directory written under any layout."""
-    dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(model_pieces(model, ctx)),
-             process_group=process_group)
+def load_model(model: nn.Module, ctx, path: str, tensors: Optional[dict] = None,
+               process_group: Optional[object] = None) -> None:
+    """Collective: fill this rank's blocks of ``model`` (or of ``tensors``) from a DCP directory written under any
+    layout."""
+    dcp.load({}, storage_reader=dcp.FileSystemReader(path),
+             planner=_LoadPlanner(model_pieces(model, ctx, tensors=tensors)), process_group=process_group)

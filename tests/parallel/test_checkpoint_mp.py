@@ -67,13 +67,13 @@ def test_save_resume_and_crash(tmp_path):
             assert torch.equal(v, resumed[r]["state"][k]), k
 
     # a crash during the next save (rank 1 dies writing its shard) leaves last.ckpt loadable and unchanged
-    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    before = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
     os.makedirs(tmp_path / "c", exist_ok=True)
     try:
         run_ranks(_fit, 2, tokens, str(ck), 4, str(path), True, out_dir=str(tmp_path / "c"))
     except AssertionError:
         pass  # rank 1 produced no result: expected
-    after = {p.name: p.read_bytes() for p in path.iterdir()}
+    after = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
     assert before == after
     again = run_ranks(_fit, 2, tokens, str(tmp_path / "ck3"), 2, str(path), out_dir=str(tmp_path / "d"))
     assert all(r["error"] is None for r in again)
@@ -84,8 +84,15 @@ def test_corrupt_and_mismatched_checkpoints(tmp_path):
     ck = tmp_path / "ck"
     run_ranks(_fit, 2, tokens, str(ck), 2, out_dir=str(tmp_path / "a"))
     path = ck / "last.ckpt"
-    # layout change (EP=1 on 2 ranks) -> clear error naming the layout, nothing on disk changes
+    # layout change (EP=1 on 2 ranks): the weights reshard (tests/parallel/test_resume.py checks the numbers)
     res = run_ranks(_fit, 2, tokens, str(tmp_path / "x"), 2, str(path), False, 1, out_dir=str(tmp_path / "b"))
+    assert all(r["error"] is None and r["step"] == 2 for r in res), res
+    # without the layout-independent copy (an older checkpoint), a layout change is refused naming the layout
+    import shutil
+    old = tmp_path / "old.ckpt"
+    shutil.copytree(path, old)
+    shutil.rmtree(old / "model_dcp")
+    res = run_ranks(_fit, 2, tokens, str(tmp_path / "x2"), 2, str(old), False, 1, out_dir=str(tmp_path / "b2"))
     assert all(r["error"] and "'ep': (2, 1)" in r["error"] for r in res), res
     # truncated shard -> error naming the file
     shard = path / "shard_00001.pt"

@@ -5,6 +5,7 @@ process and through MoEFoldStrategy's sharded checkpoints with EP2 and with PP2.
 from __future__ import annotations
 
 import glob
+import warnings
 
 import lightning as L
 import pytest
@@ -25,7 +26,7 @@ class Losses(L.Callback):
         self.values.append(float(outputs["loss"]))
 
 
-def _fit(world, tokens, root, steps, strategy_kw, ckpt=None, save=False):
+def _fit(world, tokens, root, steps, strategy_kw, ckpt=None, save=False, batch=4):
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
     L.seed_everything(0, verbose=False)
     losses = Losses()
@@ -38,7 +39,7 @@ def _fit(world, tokens, root, steps, strategy_kw, ckpt=None, save=False):
                         callbacks=callbacks, enable_checkpointing=save, default_root_dir=root,
                         accumulate_grad_batches=2, gradient_clip_val=0.5)
     model = MoELanguageModel(preset="tiny", overrides=MODEL, lr=1e-2, warmup_steps=2, max_steps=6, seed=7)
-    trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=32, batch_size=4, seed=3), ckpt_path=ckpt)
+    trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=32, batch_size=batch, seed=3), ckpt_path=ckpt)
     return losses.values
 
 
@@ -59,3 +60,26 @@ def test_resume_is_exact(tmp_path, world, strategy_kw):
         assert len(full) == 12 and len(resumed) == 6  # 2 micro-batches per step
         assert resumed == full[6:], f"resumed {resumed} != uninterrupted {full[6:]}"
         assert full[-1] < full[0]
+
+
+def _reshard_resume(rank, world, tokens, root):
+    # written under EP2 folded over DP2 (4 samples per rank), resumed under TP2 x EP2 (DP1, 8 samples): same global batch
+    source, target = dict(expert_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)
+    _fit(world, tokens, f"{root}/first", 3, source, save=True)
+    ckpt = sorted(glob.glob(f"{root}/first/*step=3*"))[-1]
+    uninterrupted = _fit(world, tokens, f"{root}/full", 6, target, batch=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _fit(world, tokens, f"{root}/resumed", 6, target, ckpt=ckpt, batch=8)
+    return uninterrupted, resumed, any("optimizer moments start afresh" in str(w.message) for w in caught)
+
+
+def test_resume_onto_another_layout(tmp_path):
+    """The weights are resharded (the first resumed step's losses are the target layout's uninterrupted ones, which
+    see the same step-3 weights), the step count, LR schedule and data position carry over."""
+    tokens = make_tokens(str(tmp_path / "tokens.bin"))
+    results = run_ranks(_reshard_resume, 2, tokens, str(tmp_path), out_dir=str(tmp_path / "o"))
+    for uninterrupted, resumed, _ in results:
+        assert len(resumed) == 6  # steps 4-6, two micro-batches each
+        assert resumed[:2] == pytest.approx(uninterrupted[6:8], rel=1e-5)
+    assert results[0][2], "rank 0 did not warn that the optimizer moments start afresh"
