@@ -18,8 +18,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-KINDS = ("act", "grad")
-
 
 @dataclass
 class PipelineGroups:
@@ -30,7 +28,6 @@ class PipelineGroups:
     recv: dict = field(default_factory=dict)  # kind -> group
     order: dict = field(default_factory=dict)  # (direction, kind) -> the group's global creation index
     embed: Optional[dist.ProcessGroup] = None  # first and last stage: gradients of tied embeddings
-    embed_ranks: tuple = ()
     # this rank's groups in the (global) order they were created: (group, "send"|"recv"|"all", peer)
     ordered: list = field(default_factory=list)
 
@@ -78,7 +75,7 @@ def make_pipeline_groups(pp_groups, rank: int, timeout=None) -> Optional[Pipelin
         embed_ranks = (ranks[0], ranks[-1])
         g = dist.new_group(list(embed_ranks), **kwargs)
         if pos is not None and rank in embed_ranks:
-            mine.embed, mine.embed_ranks = g, embed_ranks
+            mine.embed = g
             mine.ordered.append((g, "all", None))
     return mine
 
