@@ -8,9 +8,8 @@ before clipping; the global norm for clipping at 0.5 spans the stages), every pa
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.parallel.parity import ACCELERATOR, Case, check_case, run_cases
+from tests.parallel.parity import TOL, Case, check_case, run_cases, runnable
 
 FOUR = dict(num_layers=4)
 CASES = [
@@ -31,10 +30,7 @@ CASES = [
 ]
 for _c in CASES:
     _c.adam_eps = 1e-6
-TOL = {"loss": 1e-5, "grads": 1e-5, "state": 1e-4}
-if ACCELERATOR == "gpu":
-    CASES = [c for c in CASES if c.world <= torch.cuda.device_count()]
-    TOL["state"] = 5e-4
+CASES = runnable(CASES)
 
 
 @pytest.fixture(scope="module")
