@@ -37,8 +37,8 @@ import traceback
 import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
-from common import (DENSE_BF16_PEAK_TFLOPS, elapsed_ms, emit, env_info, log, pick_device, stamp, stdout_to_stderr,
-                    sync)
+from common import (DENSE_BF16_PEAK_TFLOPS, elapsed_ms, emit, env_info, kernel_breakdown, log, pick_device,
+                    profiler_kernels, stamp, stdout_to_stderr, sync)
 
 import lightning as L
 from lightning_moe import MoEFoldStrategy, MoELanguageModel, ModelConfig, TokenDataModule
@@ -96,25 +96,30 @@ def count_params(cfg: ModelConfig) -> dict:
 
 # ------------------------------------------------------------------------------------------------ timing callback
 class ProfileSteps(L.Callback):
-    """torch.profiler over two optimizer steps after warmup; writes the kernel table (top 30 by CUDA time)."""
+    """torch.profiler over two optimizer steps after the timed ones; writes the kernel table (top 30 by CUDA time) and keeps
+    this rank's time breakdown (``common.kernel_breakdown``)."""
 
     def __init__(self, path: str, start_step: int):
         self.path, self.start, self.prof = path, start_step, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.prof is None and trainer.global_step == self.start:
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                           torch.profiler.ProfilerActivity.CUDA])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.prof is not None and trainer.global_step == self.start + 2 and not getattr(self, "done", False):
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
             self.done = True
             path = self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
             with open(path, "w") as f:
                 f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+            # where the time went on this rank (compute, exposed communication, idle): gathered into the record
+            self.breakdown = kernel_breakdown(profiler_kernels(self.prof))
 
 
 class StepTimer(L.Callback):
@@ -122,11 +127,11 @@ class StepTimer(L.Callback):
 
     def __init__(self, device: torch.device, warmup_steps: int, max_steps: int):
         self.device, self.warmup_steps, self.max_steps = device, warmup_steps, max_steps
-        self.stamps, self.losses, self.wall = [], [], {}
+        self.stamps, self.losses, self.wall, self.pipeline = [], [], {}, {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return  # mid-accumulation: not an optimizer step
+        if (batch_idx + 1) % trainer.accumulate_grad_batches or len(self.stamps) >= self.max_steps:
+            return  # mid-accumulation (not an optimizer step), or a profiled step after the timed window
         self.stamps.append(stamp(self.device))
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
@@ -135,6 +140,8 @@ class StepTimer(L.Callback):
         if step in (self.warmup_steps, self.max_steps):
             sync(self.device)
             self.wall[step] = time.perf_counter()
+        if step == self.max_steps:  # the last timed step's schedule, before any profiled step
+            self.pipeline = trainer.strategy.pipeline_timing()
 
     def summary(self) -> dict:
         sync(self.device)
@@ -212,7 +219,7 @@ def run_one(args, preset: str) -> dict:
         timer = StepTimer(device, warmup, steps)
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
                             strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
-                            max_steps=steps,
+                            max_steps=steps + (2 if args.profile else 0),  # profiled after the timed window
                             accumulate_grad_batches=args.accumulate,
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
@@ -221,12 +228,12 @@ def run_one(args, preset: str) -> dict:
             log("--compile is a placeholder: the model runs eagerly")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        prof_cb = [ProfileSteps(args.profile, warmup)] if args.profile else []
+        prof_cb = [ProfileSteps(args.profile, steps)] if args.profile else []
         trainer.callbacks.extend(prof_cb)
         with stdout_to_stderr():
             trainer.fit(model, datamodule=data)
         rec = timer.summary()
-        pipe = trainer.strategy.pipeline_timing()  # the last step's schedule on each pipeline rank
+        pipe = timer.pipeline  # the last timed step's schedule on each pipeline rank
         if pipe:
             import torch.distributed as dist
             per_rank = [None] * dist.get_world_size()
@@ -235,6 +242,15 @@ def run_one(args, preset: str) -> dict:
                                "bubble_fraction_per_rank": [r.get("bubble_fraction") for r in per_rank],
                                "busy_s_per_rank": [r.get("busy_s") for r in per_rank],
                                "wall_s_per_rank": [r.get("wall_s") for r in per_rank]}
+        if prof_cb and getattr(prof_cb[0], "breakdown", None) is not None:
+            mine = prof_cb[0].breakdown
+            if args.devices > 1:
+                import torch.distributed as dist
+                per_rank = [None] * dist.get_world_size()
+                dist.all_gather_object(per_rank, mine)
+            else:
+                per_rank = [mine]
+            rec["time_breakdown_per_rank"] = per_rank
         if device.type == "cuda":
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             rec["peak_mem_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30

@@ -224,3 +224,60 @@ def stdout_to_stderr():
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ time breakdown
+KERNEL_KINDS = (  # first match wins; lower-case substrings of kernel names
+    ("nccl", ("nccl",)),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "grouped_mm")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("memcpy", ("memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"  # elementwise, norms, softmax, Triton permutes, reductions
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def kernel_breakdown(kernels: Iterable[tuple[str, float, float]]) -> dict[str, Any]:
+    """Where one rank's GPU time went, from its kernels ``(name, start_us, end_us)`` over a profiled window.
+
+    ``busy``: time any kernel ran; ``compute``: time a non-NCCL kernel ran; ``comm_exposed``: time only NCCL kernels ran
+    (communication not hidden behind compute; NCCL kernels also run while they wait for a peer, so this includes
+    waiting for slower ranks and pipeline stages); ``idle``: no kernel at all (host launch gaps, syncs). Fractions are
+    of the window from the first kernel's start to the last one's end. ``kernel_ms`` sums durations per kind (kernels
+    on different streams overlap, so these can add up to more than the window)."""
+    kernels = list(kernels)
+    if not kernels:
+        return {}
+    t0, t1 = min(k[1] for k in kernels), max(k[2] for k in kernels)
+    window = max(t1 - t0, 1e-9)
+    busy = _union_us([(a, b) for _, a, b in kernels])
+    compute = _union_us([(a, b) for n, a, b in kernels if kernel_kind(n) != "nccl"])
+    per_kind: dict[str, float] = {}
+    for n, a, b in kernels:
+        per_kind[kernel_kind(n)] = per_kind.get(kernel_kind(n), 0.0) + (b - a) / 1e3
+    return {"window_ms": window / 1e3, "compute_frac": compute / window, "comm_exposed_frac": (busy - compute) / window,
+            "idle_frac": 1 - busy / window, "kernel_ms": {k: round(v, 3) for k, v in sorted(per_kind.items())}}
+
+
+def profiler_kernels(prof) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of every device kernel/memcpy a ``torch.profiler.profile`` recorded."""
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
+    return out

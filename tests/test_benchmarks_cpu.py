@@ -93,3 +93,20 @@ def test_bench_model_smoke(model_result):
     check = r["flops_per_token_check"]
     if check["package"] is not None:  # the local Megatron formula agrees with lightning_moe.flops
         assert check["local_formula"] == pytest.approx(check["package"])
+
+
+def test_kernel_breakdown_splits_compute_comm_idle(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from common import kernel_breakdown, kernel_kind
+    assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16") == "nccl"
+    assert kernel_kind("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT") == "gemm"
+    assert kernel_kind("flash_fwd_kernel") == "attention"
+    assert kernel_kind("triton_poi_fused_add_0") == "other"
+    # window 0..100 us: a GEMM 0-40, an all-reduce 30-60 (10 us hidden, 20 exposed), idle 60-70, an add 70-100
+    b = kernel_breakdown([("sm90_xmma_gemm", 0, 40), ("ncclDevKernel_AllReduce", 30, 60), ("add_kernel", 70, 100)])
+    assert b["window_ms"] == pytest.approx(0.1)
+    assert b["compute_frac"] == pytest.approx(0.7)
+    assert b["comm_exposed_frac"] == pytest.approx(0.2)
+    assert b["idle_frac"] == pytest.approx(0.1)
+    assert b["kernel_ms"] == {"gemm": 0.04, "nccl": 0.03, "other": 0.03}
+    assert kernel_breakdown([]) == {}

@@ -26,6 +26,10 @@ STEPS = 3
 # Over NCCL (measured on H200s: params after 3 steps up to 1.4e-4 rel) the reference uses foreach AdamW, moe_fold fused
 # AdamW, and CUDA reductions reorder sums.
 TOL = {"loss": 1e-5, "grads": 1e-5, "state": 5e-4 if ACCELERATOR == "gpu" else 1e-4}
+# bf16 compute: CPU bf16 GEMMs round differently for different row counts. Gradients and loss stay within ~5e-3; the
+# parameters after 3 AdamW steps differ by up to ~lr where Adam's sign(g) meets near-zero bf16-rounded gradients, so
+# bf16 cases train at lr 1e-3. A missing 1/(dp*cp) or a 1/edp expert-gradient scale is a factor of 2 in the grads.
+BF16_TOL = {"loss": 1e-3, "grads": 2e-2, "state": 0.1}
 SEQ = 32
 GLOBAL_BATCH = 8
 
@@ -160,23 +164,29 @@ def reference_slice(name: str, full: torch.Tensor, ctx, num_experts: int, spec=(
     raise KeyError(name)
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    """max |a - b|, that over max |b|, and ||a - b|| / ||b|| (bf16 rounding moves single elements of small tensors a
+    lot, the norm of the difference little; a wrong scale or a missing part moves both)."""
     a, b = a.double(), b.double()
-    abs_ = (a - b).abs().max().item() if a.numel() else 0.0
-    return abs_, abs_ / max(b.abs().max().item(), 1e-12)
+    if not a.numel():
+        return 0.0, 0.0, 0.0
+    abs_ = (a - b).abs().max().item()
+    return abs_, abs_ / max(b.abs().max().item(), 1e-12), ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def compare(run: dict, ref: dict, num_experts: int) -> dict:
-    out = {"loss": _diff(run["losses"], ref["losses"])}
+    out = {"loss": _diff(run["losses"], ref["losses"])[:2]}
     ctx = run["ctx"]
     for kind in ("grads", "state"):
-        worst = (0.0, 0.0, "")
+        worst, worst_norm = (0.0, 0.0, ""), (0.0, 0.0, "")
         for name, t in run[kind].items():
-            a, r = _diff(t, reference_slice(name, ref[kind][name], ctx, num_experts,
-                                            run["specs"].get(name, (None, 1))))
+            a, r, n = _diff(t, reference_slice(name, ref[kind][name], ctx, num_experts,
+                                               run["specs"].get(name, (None, 1))))
             if r >= worst[1]:
                 worst = (a, r, name)
-        out[kind] = worst
+            if n >= worst_norm[1]:
+                worst_norm = (a, n, name)
+        out[kind], out[kind + "_norm"] = worst, worst_norm
     bias = {n: t for n, t in run["state"].items() if n.endswith("router.expert_bias")}
     out["expert_bias_exact"] = all(torch.equal(t, ref["state"][n]) for n, t in bias.items())
     out["expert_bias_moved"] = any(t.abs().sum() > 0 for t in bias.values())
@@ -230,7 +240,8 @@ def run_cases(cases: list, root) -> dict:
 def check_case(case: Case, per_rank: list, tol: dict) -> None:
     """Assert every rank's loss, gradients and parameters are within ``case.tol or tol`` of the reference."""
     for rank, res in enumerate(per_rank):
-        print(f"{case.name} rank{rank}: " + ", ".join(f"{k} abs={res[k][0]:.2e} rel={res[k][1]:.2e}" for k in tol))
+        keys = dict.fromkeys([*tol, *(case.tol or {})])
+        print(f"{case.name} rank{rank}: " + ", ".join(f"{k} abs={res[k][0]:.2e} rel={res[k][1]:.2e}" for k in keys))
         for key, bound in (case.tol or tol).items():
             abs_, rel = res[key][:2]
             assert rel <= bound, (f"{case.name} rank {rank}: {key} differs from the 1-process reference: max abs "

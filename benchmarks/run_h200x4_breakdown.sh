@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Four GPUs (issue 8): the four folded layouts' bf16 parity and the PP parity over NCCL, then model throughput with a
+# per-rank time breakdown (compute / exposed communication / idle, from 2 profiled steps after the timed ones).
+# Usage (repo root): OUT=outdir PART=a|b bash benchmarks/run_h200x4_breakdown.sh
+#   PART=a: parity; qwen3-30b-a3b (4 layers) on 1 GPU, DP4/EP4, TP2·DP2/EP4, PP2·DP2/EP2, PP2·TP2/EP2
+#   PART=b: mixtral-8x7b (2 layers; 4 layers for PP) on 1 GPU, DP4/EP4, TP2·DP2/EP4, PP2·DP2/EP2; qwen3 TP2·CP2/EP2·ETP2
+set -uo pipefail
+OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
+PART=${PART:-a}
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+model() {  # name, then bench_model.py arguments (give --accumulate / --microbatches explicitly)
+  local name=$1; shift
+  timeout 170 python3 benchmarks/bench_model.py "$@" --steps 8 --warmup-steps 3 --out "$OUT/$name.json" \
+    --profile "$OUT/profile_$name.txt" 2>>"$OUT/errors.log" >/dev/null
+  python3 - "$OUT/$name.json" "$name" <<'PY' | tee -a "$OUT/models.jsonl"
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))["records"][0]
+except Exception as e:  # noqa: BLE001
+    r = {"error": f"no record: {e}"}
+keys = ["preset", "num_layers", "devices", "strategy", "micro_batch_size", "accumulate_grad_batches",
+        "tokens_per_step", "tokens_per_sec", "tflops_per_gpu", "mfu", "peak_mem_gib", "step_time_median_s",
+        "pipeline", "error"]
+out = {"run": sys.argv[2], **{k: r.get(k) for k in keys}}
+out["breakdown"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()}
+                    for b in r.get("time_breakdown_per_rank") or []]
+print(json.dumps(out))
+PY
+}
+Q="--preset qwen3-30b-a3b"
+M="--preset mixtral-8x7b"
+if [ "$PART" = a ]; then
+  LMOE_PARITY_ACCELERATOR=gpu timeout 200 python3 -m pytest tests/parallel/test_bf16_layouts_parity.py -q -s \
+    -p no:cacheprovider 2>&1 | tee "$OUT/parity_bf16_nccl.log" | grep -E "rank[0-9]:|passed|failed"
+  LMOE_PARITY_ACCELERATOR=gpu timeout 200 python3 -m pytest tests/parallel/test_pp_parity.py -q -s \
+    -p no:cacheprovider 2>&1 | tee "$OUT/parity_pp_nccl.log" | grep -E "rank[0-9]:|passed|failed"
+  model qwen3_1gpu $Q --devices 1 --batch 2 --accumulate 4
+  model qwen3_dp4_ep4 $Q --devices 4 --ep 4 --batch 2 --accumulate 4
+  model qwen3_pp2dp2_ep2 $Q --devices 4 --pp 2 --ep 2 --batch 8 --microbatches 4 --accumulate 1
+  model qwen3_tp2dp2_ep4 $Q --devices 4 --tp 2 --ep 4 --batch 4 --accumulate 4
+  model qwen3_pp2tp2_ep2 $Q --devices 4 --pp 2 --tp 2 --ep 2 --batch 16 --microbatches 8 --accumulate 1
+else
+  model mixtral_1gpu $M --devices 1 --batch 1 --accumulate 4
+  model mixtral_dp4_ep4 $M --devices 4 --ep 4 --batch 1 --accumulate 4
+  model mixtral_l4_pp2dp2_ep2 $M --layers 4 --devices 4 --pp 2 --ep 2 --batch 4 --microbatches 4 --accumulate 1
+  model mixtral_tp2dp2_ep4 $M --devices 4 --tp 2 --ep 4 --batch 2 --accumulate 4
+  model qwen3_tp2cp2_ep2etp2 $Q --devices 4 --tp 2 --cp 2 --ep 2 --etp 2 --batch 4 --accumulate 4
+fi
