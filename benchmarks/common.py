@@ -275,9 +275,12 @@ def kernel_breakdown(kernels: Iterable[tuple[str, float, float]]) -> dict[str, A
 
 
 def profiler_kernels(prof) -> list[tuple[str, float, float]]:
-    """``(name, start_us, end_us)`` of every device kernel/memcpy a ``torch.profiler.profile`` recorded."""
+    """``(name, start_us, end_us)`` of every device kernel/memcpy a ``torch.profiler.profile`` recorded. Annotations
+    mirrored on the GPU timeline (``Optimizer.step#AdamW.step``, record_function ranges) span idle time and are left
+    out."""
     out = []
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        annotation = getattr(e, "is_user_annotation", False) or "annotation" in str(getattr(e, "activity_type", ""))
+        if e.device_type == torch.autograd.DeviceType.CUDA and not annotation and "#" not in e.name:
             out.append((e.name, float(e.time_range.start), float(e.time_range.end)))
     return out

@@ -14,9 +14,11 @@ from tests.parallel.parity import BF16_TOL, TOL, Case, check_case, run_cases, ru
 
 # Gradients by the norm of the difference: on CPU every tensor is within 3e-2 except the routers' (gradient norm ~1e-3,
 # the softmax Jacobian cancels, so bf16 rounding moves it 7-16 %); a wrong scale or a lost micro-batch is >= 0.5.
-# Parameters after 3 steps: elementwise as BF16_TOL, and within 5e-2 by norm.
+# Parameters after 3 steps: within 5e-2 by norm, and elementwise within 0.2 of the tensor's max: Adam moves an element
+# by ~lr per step whatever its gradient's size, so near-zero gradients whose bf16 sign differs end up to 2 lr per step
+# apart (measured on H200s: 3.4e-3 = 3.4 lr, 0.10 of max |w| = 0.033).
 BF16 = dict(precision="bf16-true", lr=1e-3,
-            tol={"loss": BF16_TOL["loss"], "grads_norm": 0.25, "state": BF16_TOL["state"], "state_norm": 5e-2})
+            tol={"loss": BF16_TOL["loss"], "grads_norm": 0.25, "state": 0.2, "state_norm": 5e-2})
 GLOBAL = dict(load_balancing="global_aux_loss")  # DP > 1: the global-batch aux loss is the reference's loss
 CASES = runnable([
     Case("bf16_tp2_dp2_ep4", 4, tp=2, ep=4, model=GLOBAL, **BF16),
