@@ -193,6 +193,10 @@ def run_one(args, preset: str) -> dict:
         overrides["compile_router"] = True
     if args.dispatcher:
         overrides["dispatcher"] = args.dispatcher
+    if args.experts:  # weak scaling in experts: the same experts per GPU as EP grows
+        overrides["num_experts"] = args.experts
+    if args.first_k_dense is not None:
+        overrides["first_k_dense"] = args.first_k_dense
     cfg = ModelConfig.from_preset(preset, **overrides)
     if cfg.vocab_size > 65535:
         raise SystemExit(f"error: vocab {cfg.vocab_size} does not fit the uint16 token file; pass --vocab")
@@ -290,7 +294,8 @@ def run_in_subprocess(args, preset: str) -> dict:
                             ("--etp", args.etp), ("--tp", args.tp), ("--cp", args.cp), ("--sp", args.sp),
                             ("--pp", args.pp), ("--vpp", args.vpp), ("--microbatches", args.microbatches),
                             ("--schedule", args.schedule),
-                            ("--precision", args.precision), ("--dispatcher", args.dispatcher)):
+                            ("--precision", args.precision), ("--dispatcher", args.dispatcher),
+                            ("--experts", args.experts), ("--first-k-dense", args.first_k_dense)):
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--compile"] if args.compile else []
@@ -332,6 +337,8 @@ def main(argv=None) -> dict:
     p.add_argument("--microbatches", type=int, default=1,
                    help="num_microbatches: --batch (per dp rank) is split into this many inside each step")
     p.add_argument("--schedule", default=None, help="pipeline schedule: 1f1b, interleaved_1f1b, afab")
+    p.add_argument("--experts", type=int, default=None, help="num_experts (default per preset)")
+    p.add_argument("--first-k-dense", type=int, default=None, help="dense layers first (default per preset)")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")
     p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")

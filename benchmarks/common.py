@@ -258,7 +258,8 @@ def kernel_breakdown(kernels: Iterable[tuple[str, float, float]]) -> dict[str, A
     ``busy``: time any kernel ran; ``compute``: time a non-NCCL kernel ran; ``comm_exposed``: time only NCCL kernels ran
     (communication not hidden behind compute; NCCL kernels also run while they wait for a peer, so this includes
     waiting for slower ranks and pipeline stages); ``idle``: no kernel at all (host launch gaps, syncs). Fractions are
-    of the window from the first kernel's start to the last one's end. ``kernel_ms`` sums durations per kind (kernels
+    of the window from the first kernel's start to the last one's end; ``sendrecv_frac``: time NCCL send/recv kernels ran
+    (all-to-all, p2p), overlapped or not. ``kernel_ms`` sums durations per kind (kernels
     on different streams overlap, so these can add up to more than the window)."""
     kernels = list(kernels)
     if not kernels:
@@ -270,8 +271,11 @@ def kernel_breakdown(kernels: Iterable[tuple[str, float, float]]) -> dict[str, A
     per_kind: dict[str, float] = {}
     for n, a, b in kernels:
         per_kind[kernel_kind(n)] = per_kind.get(kernel_kind(n), 0.0) + (b - a) / 1e3
+    sendrecv = [(a, b) for n, a, b in kernels if kernel_kind(n) == "nccl" and "sendrecv" in n.lower()]
     return {"window_ms": window / 1e3, "compute_frac": compute / window, "comm_exposed_frac": (busy - compute) / window,
-            "idle_frac": 1 - busy / window, "kernel_ms": {k: round(v, 3) for k, v in sorted(per_kind.items())}}
+            "idle_frac": 1 - busy / window, "kernel_ms": {k: round(v, 3) for k, v in sorted(per_kind.items())},
+            # NCCL send/recv kernels: the expert all-to-all (and, under PP, the stage exchanges)
+            "sendrecv_frac": _union_us(sendrecv) / window}
 
 
 def profiler_kernels(prof) -> list[tuple[str, float, float]]:

@@ -109,4 +109,6 @@ def test_kernel_breakdown_splits_compute_comm_idle(monkeypatch):
     assert b["comm_exposed_frac"] == pytest.approx(0.2)
     assert b["idle_frac"] == pytest.approx(0.1)
     assert b["kernel_ms"] == {"gemm": 0.04, "nccl": 0.03, "other": 0.03}
+    assert b["sendrecv_frac"] == 0.0
+    assert kernel_breakdown([("gemm", 0, 10), ("ncclDevKernel_SendRecv", 5, 15)])["sendrecv_frac"] == pytest.approx(2 / 3)
     assert kernel_breakdown([]) == {}
