@@ -515,3 +515,25 @@ def save_hf(model: MoETransformer, path: str, model_type: Optional[str] = None) 
     hf_config.architectures = [_HF_CLASSES[hf_config.model_type].replace("Config", "ForCausalLM")]
     hf_config.save_pretrained(path)
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def export_checkpoint(ckpt_dir: str, out_dir: str, model_type: Optional[str] = None) -> None:
+    """Write a ``moe_fold`` checkpoint (written under any layout) as an HF checkpoint directory, on one process: the
+    model config from the checkpoint's hyperparameters, the weights (fp32 main copies when the run had them) from
+    its layout-independent tensors. Nothing is unpickled beyond ``weights_only`` loading."""
+    from lightning_moe.strategy.checkpoint import MODEL_DCP, shard_name
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    from lightning_moe.strategy.reshard import load_pieces, model_pieces
+
+    shard = os.path.join(ckpt_dir, shard_name(0))
+    if not os.path.isfile(shard) or not os.path.isfile(os.path.join(ckpt_dir, MODEL_DCP, ".metadata")):
+        raise ValueError(f"{ckpt_dir} is not a moe_fold checkpoint with layout-independent tensors "
+                         f"({shard_name(0)} and {MODEL_DCP}/ expected)")
+    hparams = torch.load(shard, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    if "config" not in hparams:
+        raise ValueError(f"{shard} has no model config in its hyper_parameters (not a MoELanguageModel checkpoint)")
+    ctx = ParallelContext.single()
+    model = MoETransformer(ModelConfig(**hparams["config"]), ctx)
+    # the checkpoint's keys are the LightningModule's: MoELanguageModel holds the transformer as ``model``
+    load_pieces(model_pieces(model, ctx, prefix="model."), os.path.join(ckpt_dir, MODEL_DCP))
+    save_hf(model, out_dir, model_type)

@@ -76,3 +76,30 @@ def test_cli_init_from_hf(hf_dir, tokens, tmp_path):
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)]
     c = cli.build_cli(args=args)
     assert c.model.config.num_experts == 8 and c.trainer.global_step == 2
+
+
+def _finetune_and_save(rank, world, hf_dir, tokens, root):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    model = MoELanguageModel(init_from_hf=hf_dir, overrides={"seq_length": SEQ}, lr=1e-2, warmup_steps=0, seed=1)
+    ckpt = ModelCheckpoint(dirpath=root, filename="last", every_n_train_steps=2, enable_version_counter=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world, logger=False, max_steps=2, limit_val_batches=1,
+                        strategy=MoEFoldStrategy(tensor_parallel_size=2, expert_parallel_size=2, timeout=60),
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt])
+    dm = TokenDataModule(path=tokens, seq_length=SEQ, batch_size=4, seed=3)
+    trainer.fit(model, datamodule=dm)
+    return trainer.validate(model, datamodule=dm, verbose=False)[0]["val_loss"]
+
+
+def test_export_a_sharded_checkpoint_to_hf(hf_dir, tokens, tmp_path):
+    """Fine-tuned on TP2 x EP2, checkpointed, exported on one process with ``lightning-moe export-hf``: transformers
+    loads the export and gives the fine-tuned model's loss (so the weights moved and came back whole)."""
+    tuned = run_ranks(_finetune_and_save, 2, hf_dir, tokens, str(tmp_path / "ck"), out_dir=str(tmp_path / "o"))
+    out = str(tmp_path / "exported")
+    cli.main(["export-hf", str(tmp_path / "ck" / "last.ckpt"), out])
+    batch = _first_val_batch(tokens)
+    assert _hf_loss(out, batch) == pytest.approx(tuned[0], rel=1e-5)
+    assert abs(_hf_loss(hf_dir, batch) - tuned[0]) > 1e-3  # fine-tuning changed the weights
+    with pytest.raises(SystemExit):
+        cli.main(["export-hf"])  # missing arguments: argparse's usage error
+    with pytest.raises(ValueError, match="not a moe_fold checkpoint"):
+        cli.main(["export-hf", str(tmp_path), out])

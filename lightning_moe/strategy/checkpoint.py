@@ -1,12 +1,12 @@
-"""Sharded checkpoints: a directory with one shard file per rank (its expert shards, optimizer state and Lightning's
-metadata) plus ``meta.json`` describing the layout. Nothing is gathered to one rank.
+"""Sharded checkpoints: a directory holding ``model_dcp/``, every model and optimizer tensor in
+torch.distributed.checkpoint's format with global shapes (each rank writes its own blocks, see ``reshard.py`` and
+``checkpoint_state.py``); one small shard file per rank with the rest of Lightning's checkpoint (progress, loops,
+callbacks, schedulers, RNG); and ``meta.json`` describing the layout. Nothing is gathered to one rank, nothing is
+stored twice, and a checkpoint written under one layout (TP, EP, ETP, PP, DP) loads under any other.
 
 Saves are atomic: every rank writes into ``<path>.tmp``; only after all shards exist does rank 0 move the directory
 into place, so a crash mid-save leaves the last good checkpoint untouched. Loads use ``torch.load(weights_only=True)``
-(no arbitrary unpickling). The same layout resumes exactly from the shard files. Every save also holds a
-layout-independent copy of the model weights (``model_dcp/``, torch.distributed.checkpoint with global shapes, see
-``reshard.py``), from which another layout (TP, EP, ETP, PP, DP) loads its own shards; the optimizer moments then
-start afresh.
+and DCP's tensor reader (no arbitrary unpickling).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-MODEL_DCP = "model_dcp"  # layout-independent copy of the model weights (strategy/reshard.py)
+MODEL_DCP = "model_dcp"  # the layout-independent tensors (strategy/reshard.py)
 
 
 def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dict, barrier: Callable[[str], None],
                  write_model: Optional[Callable[[Path], None]] = None) -> None:
-    """``write_model(dir)``: collective, writes the layout-independent model copy into the save's directory."""
+    """``write_model(dir)``: collective, writes the layout-independent tensors into the save's directory."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
@@ -91,10 +91,12 @@ def _recover(path: Path) -> None:
 
 
 def load_sharded(path, rank: int, world_size: int, layout: dict,
-                 reshard_model: Optional[Callable[[Path], dict]] = None) -> dict:
-    """This rank's checkpoint dict. Under another layout (``reshard_model`` given and the checkpoint has a
-    layout-independent model copy): Lightning's replicated state from shard 0, ``state_dict`` from
-    ``reshard_model(dir)``, and ``optimizer_states`` set to None (optimizer moments are not resharded)."""
+                 fill: Optional[Callable[[dict, Path, bool], dict]] = None,
+                 agree: Optional[Callable[[Optional[str]], Optional[str]]] = None) -> dict:
+    """This rank's checkpoint dict: its own shard file under the same layout, shard 0's (the replicated state) under
+    another; ``fill(checkpoint, dcp_dir, same_layout)`` (collective) puts this rank's tensors back from the
+    checkpoint's ``model_dcp/``. ``agree(error or None)`` (collective) returns the first rank's error, so that a
+    missing or corrupted shard on one rank fails every rank at once."""
     path = Path(path)
     if not path.exists() and (is_sharded_checkpoint(path.with_name(path.name + ".tmp"))
                               or is_sharded_checkpoint(path.with_name(path.name + ".old"))):
@@ -112,18 +114,32 @@ def load_sharded(path, rank: int, world_size: int, layout: dict,
         raise ValueError(f"{path / META} is unreadable or corrupted: {e}") from e
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT!r})")
-    if meta["world_size"] != world_size or meta["layout"] != layout:
+    same = meta["world_size"] == world_size and meta["layout"] == layout
+    has_dcp = (path / MODEL_DCP / ".metadata").is_file()
+    if not same and not (fill is not None and has_dcp):
         diff = {k: (meta["layout"].get(k), v) for k, v in layout.items() if meta["layout"].get(k) != v}
-        if reshard_model is not None and (path / MODEL_DCP / ".metadata").is_file():
-            checkpoint = _load_shard(path / shard_name(0))
-            checkpoint["state_dict"] = reshard_model(path / MODEL_DCP)
-            checkpoint["optimizer_states"] = None
-            return checkpoint
         raise ValueError(f"{path} was written with world_size={meta['world_size']} and layout {meta['layout']}; "
                          f"this run has world_size={world_size} (differences saved -> now: {diff}). Loading a "
-                         "checkpoint onto another layout needs its layout-independent model copy "
+                         "checkpoint onto another layout needs its layout-independent tensors "
                          f"({MODEL_DCP}/), which this checkpoint lacks (written by an older version).")
-    return _load_shard(path / shard_name(rank))
+    error, checkpoint = None, None
+    try:
+        checkpoint = _load_shard(path / shard_name(rank if same else 0))
+    except ValueError as e:
+        error = str(e)
+    if agree is not None:  # every rank raises the first rank's error, instead of waiting in the collective load
+        error = agree(error)
+    if error:
+        raise ValueError(error)
+    if fill is None or not has_dcp:
+        return checkpoint
+    try:
+        return fill(checkpoint, path / MODEL_DCP, same)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP's reader errors (a truncated or missing .distcp file), with the path
+        raise ValueError(f"{path / MODEL_DCP} is corrupted or truncated and cannot be loaded: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def _load_shard(shard: Path) -> dict:

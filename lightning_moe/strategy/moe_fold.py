@@ -35,7 +35,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_moe.strategy.checkpoint import load_sharded, save_sharded
-from lightning_moe.strategy.reshard import load_model, save_model
+from lightning_moe.strategy.checkpoint_state import fill_checkpoint, split_checkpoint
+from lightning_moe.strategy.reshard import load_pieces, save_pieces
 from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
 from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
@@ -383,37 +384,40 @@ class MoEFoldStrategy(ParallelStrategy):
         return {k: getattr(lay, k) for k in ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "vpp")}
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
-        """Every rank writes its own shard (expert shards differ per rank); atomic, see strategy/checkpoint.py."""
+        """Every rank writes its own blocks of every model and optimizer tensor (DCP, global shapes) and a small shard
+        of the rest; atomic, see strategy/checkpoint.py."""
         if storage_options is not None:
             raise TypeError("MoEFoldStrategy.save_checkpoint does not take storage_options")
         path = self.broadcast(str(filepath))
-        module, ctx = self.lightning_module, self.parallel_context
-
-        def write_model(directory) -> None:  # the checkpoint's state_dict holds the fp32 main weights when in use
-            save_model(module, ctx, str(directory), tensors=checkpoint["state_dict"])
-
-        save_sharded(checkpoint, path, self.global_rank, self.world_size, self._layout_dict(), self.barrier,
-                     write_model=write_model)
+        # the checkpoint's state_dict holds the fp32 main weights when in use (lightning_module_state_dict)
+        pieces, rest = split_checkpoint(checkpoint, self.lightning_module, self.parallel_context, self.optimizers,
+                                        self._main_params)
+        save_sharded(rest, path, self.global_rank, self.world_size, self._layout_dict(), self.barrier,
+                     write_model=lambda directory: save_pieces(pieces, str(directory)))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         path = self.broadcast(str(checkpoint_path))
-        module, ctx = self.lightning_module, self.parallel_context
+        restored = []
 
-        def reshard_model(directory) -> dict:
-            # this rank's shards of every tensor, in the dtypes a checkpoint holds (fp32 main weights when in use)
-            tensors = {n: t.detach().clone() for n, t in module.state_dict().items()}
-            if self._main_params is not None:
-                tensors.update({n: t.detach().clone() for n, t in
-                                self._main_params.state_dict_overrides(module).items()})
-            load_model(module, ctx, str(directory), tensors=tensors)
-            return tensors
+        def fill(checkpoint, directory, same_layout) -> dict:
+            checkpoint, ok = fill_checkpoint(checkpoint, str(directory), self.lightning_module, self.parallel_context,
+                                             self.optimizers, self._main_params, same_layout,
+                                             lambda pieces, d: load_pieces(pieces, d))
+            restored.append(ok)
+            return checkpoint
 
-        checkpoint = load_sharded(path, self.global_rank, self.world_size, self._layout_dict(),
-                                  reshard_model=reshard_model)
-        if checkpoint.get("optimizer_states", ()) is None:
-            rank_zero_warn(f"MoEFoldStrategy: {path} was written under another layout; the weights were resharded "
-                           "onto this one, the training progress and LR schedule restored, and the optimizer "
-                           "moments start afresh (they are not resharded yet).")
+        def agree(error):
+            if not _distributed_is_initialized():
+                return error
+            errors = [None] * self.world_size
+            dist.all_gather_object(errors, error)
+            return next((e for e in errors if e), None)
+
+        checkpoint = load_sharded(path, self.global_rank, self.world_size, self._layout_dict(), fill=fill, agree=agree)
+        if restored and not restored[0] and self.optimizers:
+            rank_zero_warn(f"MoEFoldStrategy: {path} was written under another layout with an optimizer whose state "
+                           "is not shaped like its parameters; the weights, progress and LR schedule were restored, "
+                           "the optimizer state starts afresh.")
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint) -> None:

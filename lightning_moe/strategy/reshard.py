@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
@@ -134,18 +135,50 @@ class _LoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the live tensor: the reader copied into it in place
 
 
+def save_pieces(pieces: list[Piece], path: str, process_group: Optional[object] = None) -> None:
+    """Collective: every rank writes its ``pieces`` into the DCP directory ``path``."""
+    try:
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(path), planner=_SavePlanner(pieces),
+                 process_group=process_group)
+    except CheckpointException as e:
+        raise _unwrap(e, path) from None
+
+
+def _unwrap(e: CheckpointException, path: str) -> Exception:
+    # DCP gathers every rank's failure into a BaseException (so `except Exception` would miss it): a ValueError of
+    # our planner (a config mismatch naming the tensor) stays one; anything else (a truncated file) a RuntimeError
+    errors = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+    first = next((x for x in errors if isinstance(x, ValueError)), None)
+    if first is not None:
+        return ValueError(str(first))
+    return RuntimeError(f"{path}: {type(errors[0]).__name__}: {errors[0]}" if errors else f"{path}: {e}")
+
+
+@torch.no_grad()
+def load_pieces(pieces: list[Piece], path: str, process_group: Optional[object] = None) -> None:
+    """Collective: fill every rank's ``pieces`` (in place) from a DCP directory written under any layout."""
+    try:
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(pieces),
+                 process_group=process_group)
+    except CheckpointException as e:
+        raise _unwrap(e, path) from None
+
+
+def read_tensor_metadata(path: str) -> dict[str, TensorStorageMetadata]:
+    """Every tensor a DCP directory holds: name -> global size and dtype."""
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+
+
 def save_model(model: nn.Module, ctx, path: str, tensors: Optional[dict] = None,
                process_group: Optional[object] = None) -> None:
     """Collective: every rank writes its blocks of ``model``'s logical tensors (or of ``tensors``, see
     ``model_pieces``) into the DCP directory ``path``."""
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(path),
-             planner=_SavePlanner(model_pieces(model, ctx, tensors=tensors)), process_group=process_group)
+    save_pieces(model_pieces(model, ctx, tensors=tensors), path, process_group)
 
 
-@torch.no_grad()
 def load_model(model: nn.Module, ctx, path: str, tensors: Optional[dict] = None,
                process_group: Optional[object] = None) -> None:
     """Collective: fill this rank's blocks of ``model`` (or of ``tensors``) from a DCP directory written under any
     layout."""
-    dcp.load({}, storage_reader=dcp.FileSystemReader(path),
-             planner=_LoadPlanner(model_pieces(model, ctx, tensors=tensors)), process_group=process_group)
+    load_pieces(model_pieces(model, ctx, tensors=tensors), path, process_group)

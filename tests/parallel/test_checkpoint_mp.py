@@ -51,13 +51,22 @@ def test_save_resume_and_crash(tmp_path):
     first = run_ranks(_fit, 2, tokens, str(ck), 2, out_dir=str(tmp_path / "a"))
     path = ck / "last.ckpt"
     assert (path / "meta.json").is_file() and (path / "shard_00000.pt").is_file() and (path / "shard_00001.pt").is_file()
-    # the two ranks hold different experts, and each shard file has its own rank's
-    s0 = torch.load(path / "shard_00000.pt", weights_only=True)["state_dict"]
-    s1 = torch.load(path / "shard_00001.pt", weights_only=True)["state_dict"]
-    key = next(k for k in s0 if k.endswith("experts.w13"))
-    assert not torch.equal(s0[key], s1[key])
-    assert torch.equal(s0[key], first[0]["state"][key.removeprefix("model.")])
-    assert torch.equal(s1[key], first[1]["state"][key.removeprefix("model.")])
+    # the shard files hold no tensors of the model or the optimizer: those are in model_dcp/ once, with global shapes
+    for r in range(2):
+        shard = torch.load(path / f"shard_0000{r}.pt", weights_only=True)
+        assert not [k for k, v in shard["state_dict"].items() if isinstance(v, torch.Tensor)]
+        assert all(v is None for st in shard["optimizer_states"][0]["state"].values() for v in st.values())
+    from lightning_moe.strategy.reshard import Piece, load_pieces, read_tensor_metadata
+    md = read_tensor_metadata(str(path / "model_dcp"))
+    key = next(k for k in md if k.endswith("experts.w13"))
+    local = first[0]["state"][key.removeprefix("model.")]
+    assert tuple(md[key].size) == (2 * local.shape[0], *local.shape[1:])  # the 8 experts of both ranks
+    assert md[f"optim/0/exp_avg/{key}"].size == md[key].size and tuple(md[f"optim/0/step/{key}"].size) == ()
+    full = torch.empty(tuple(md[key].size))
+    load_pieces([Piece(key, tuple(full.shape), (0, 0, 0), full)], str(path / "model_dcp"))
+    for r in range(2):  # rank r's experts at rows [r*4, r*4+4)
+        n = local.shape[0]
+        assert torch.equal(full[r * n:(r + 1) * n], first[r]["state"][key.removeprefix("model.")])
 
     # resume: the restored weights are exactly the saved ones (checked by training 0 further steps)
     resumed = run_ranks(_fit, 2, tokens, str(tmp_path / "ck2"), 2, str(path), out_dir=str(tmp_path / "b"))
@@ -94,11 +103,20 @@ def test_corrupt_and_mismatched_checkpoints(tmp_path):
     shutil.rmtree(old / "model_dcp")
     res = run_ranks(_fit, 2, tokens, str(tmp_path / "x2"), 2, str(old), False, 1, out_dir=str(tmp_path / "b2"))
     assert all(r["error"] and "'ep': (2, 1)" in r["error"] for r in res), res
-    # truncated shard -> error naming the file
+    # a truncated tensor file -> every rank fails naming model_dcp, and nothing on disk changes
+    bad = tmp_path / "bad.ckpt"
+    shutil.copytree(path, bad)
+    data = sorted((bad / "model_dcp").glob("*.distcp"))[-1]
+    data.write_bytes(data.read_bytes()[:200])
+    before = {str(p.relative_to(bad)): p.read_bytes() for p in bad.rglob("*") if p.is_file()}
+    res = run_ranks(_fit, 2, tokens, str(tmp_path / "z"), 2, str(bad), out_dir=str(tmp_path / "e"))
+    assert all(r["error"] and "model_dcp is corrupted or truncated" in r["error"] for r in res), res
+    assert before == {str(p.relative_to(bad)): p.read_bytes() for p in bad.rglob("*") if p.is_file()}
+    # truncated shard -> every rank fails at once, naming the file
     shard = path / "shard_00001.pt"
     shard.write_bytes(shard.read_bytes()[:100])
     res = run_ranks(_fit, 2, tokens, str(tmp_path / "y"), 2, str(path), out_dir=str(tmp_path / "c"))
-    assert "shard_00001.pt is corrupted or truncated" in res[1]["error"]
+    assert all("shard_00001.pt is corrupted or truncated" in r["error"] for r in res), res
     # not a sharded checkpoint
     from lightning_moe.strategy.checkpoint import load_sharded
     with pytest.raises(ValueError, match="meta.json is missing"):
