@@ -17,20 +17,7 @@ model() {  # name, then bench_model.py arguments (give --accumulate / --microbat
   timeout 170 python3 benchmarks/bench_model.py "$@" --steps 8 --warmup-steps 3 --out "$WORK/$name.json" \
     --profile "$WORK/profile_$name.txt" 2>>"$OUT/errors.log" >/dev/null
   tar czf "$OUT/profiles.tgz" -C "$WORK" .
-  python3 - "$WORK/$name.json" "$name" <<'PY' | tee -a "$OUT/models.jsonl"
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))["records"][0]
-except Exception as e:  # noqa: BLE001
-    r = {"error": f"no record: {e}"}
-keys = ["preset", "num_layers", "devices", "strategy", "micro_batch_size", "accumulate_grad_batches",
-        "tokens_per_step", "tokens_per_sec", "tflops_per_gpu", "mfu", "peak_mem_gib", "step_time_median_s",
-        "pipeline", "error"]
-out = {"run": sys.argv[2], **{k: r.get(k) for k in keys}}
-out["breakdown"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()}
-                    for b in r.get("time_breakdown_per_rank") or []]
-print(json.dumps(out))
-PY
+  python3 benchmarks/record_line.py "$WORK/$name.json" "$name" --kernel-ms | tee -a "$OUT/models.jsonl"
 }
 Q="--preset qwen3-30b-a3b"
 M="--preset mixtral-8x7b"
