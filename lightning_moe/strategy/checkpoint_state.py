@@ -46,12 +46,23 @@ def _key(i: int, k: str, name: str = "") -> str:
     return f"optim/{i}/{k}/{name}"
 
 
-def _state_pieces(module, ctx, i: int, k: str, name: str, v: torch.Tensor, p: torch.Tensor) -> Optional[list[Piece]]:
-    if v.ndim == 0:
-        return [Piece(_key(i, k, name), (), (), v.detach())]
-    if tuple(v.shape) == tuple(p.shape):
-        return model_pieces(module, ctx, prefix=_key(i, k), tensors={name: v})
-    return None  # shaped otherwise (e.g. factored second moments): not reshardable
+def _state_pieces(module, ctx, i: int, entries: list[tuple[str, Optional[str], torch.Tensor, torch.Tensor]]
+                  ) -> Optional[list[Piece]]:
+    """The DCP pieces of optimizer ``i``'s state tensors ``(state key, param name, tensor, param)``; None when one
+    cannot be resharded (no parameter name, or shaped neither like its parameter nor 0-d, e.g. factored moments)."""
+    pieces, shaped = [], defaultdict(dict)
+    for k, name, v, p in entries:
+        if name is None:
+            return None
+        if v.ndim == 0:
+            pieces.append(Piece(_key(i, k, name), (), (), v.detach()))
+        elif tuple(v.shape) == tuple(p.shape):
+            shaped[k][name] = v
+        else:
+            return None
+    for k, tensors in shaped.items():  # sharded like their parameters
+        pieces += model_pieces(module, ctx, prefix=_key(i, k), tensors=tensors)
+    return pieces
 
 
 def split_checkpoint(checkpoint: dict, module: nn.Module, ctx, optimizers: Sequence[torch.optim.Optimizer],
@@ -68,14 +79,11 @@ def split_checkpoint(checkpoint: dict, module: nn.Module, ctx, optimizers: Seque
         names = _optimizer_tensor_names(module, main_params)
         out["optimizer_states"] = []
         for i, (opt, saved) in enumerate(zip(optimizers, states)):
-            order, mine, ok = _order(opt), [], True
-            for idx, st in saved["state"].items():
-                name = names.get(id(order[idx]))
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        got = _state_pieces(module, ctx, i, k, name, v, order[idx]) if name else None
-                        ok = ok and got is not None
-                        mine += got or []
+            order = _order(opt)
+            mine = _state_pieces(module, ctx, i, [(k, names.get(id(order[idx])), v, order[idx])
+                                                  for idx, st in saved["state"].items() for k, v in st.items()
+                                                  if isinstance(v, torch.Tensor)])
+            ok = mine is not None
             if ok:  # tensors go to DCP; the shard keeps the structure, hyperparameters and non-tensor state
                 pieces += mine
                 stripped = {idx: {k: (None if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
@@ -107,7 +115,6 @@ def fill_checkpoint(checkpoint: dict, dcp_dir: str, module: nn.Module, ctx,
                          f"{sorted(saved - set(tensors))[:5]}, only in the model {sorted(set(tensors) - saved)[:5]}")
     pieces = model_pieces(module, ctx, tensors=tensors)
     states = checkpoint.get("optimizer_states")
-    restored = True
     new_states = []
     if states is not None and optimizers:
         saved_md = read_tensor_metadata(dcp_dir)
@@ -115,8 +122,7 @@ def fill_checkpoint(checkpoint: dict, dcp_dir: str, module: nn.Module, ctx,
         for i, opt in enumerate(optimizers):
             in_dcp = i < len(info["optimizer_in_dcp"]) and info["optimizer_in_dcp"][i]
             saved = states[i] if i < len(states) else None
-            if not in_dcp:
-                restored = restored and same_layout and saved is not None
+            if not in_dcp:  # kept in the shard: only this layout can use it
                 new_states.append(saved if same_layout else None)
                 continue
             by_name: dict[str, dict] = defaultdict(dict)
@@ -125,14 +131,14 @@ def fill_checkpoint(checkpoint: dict, dcp_dir: str, module: nn.Module, ctx,
                     k, name = key[len(f"optim/{i}/"):].split("/", 1)
                     by_name[name][k] = md
             state: dict[int, dict] = {}
+            entries = []
             for idx, p in enumerate(_order(opt)):
                 name = names.get(id(p))
                 for k, md in by_name.get(name, {}).items():
-                    shape = () if len(md.size) == 0 else tuple(p.shape)
-                    buf = torch.zeros(shape, dtype=md.properties.dtype)
-                    got = _state_pieces(module, ctx, i, k, name, buf, p)
-                    pieces += got
+                    buf = torch.zeros(() if len(md.size) == 0 else tuple(p.shape), dtype=md.properties.dtype)
+                    entries.append((k, name, buf, p))
                     state.setdefault(idx, {})[k] = buf
+            pieces += _state_pieces(module, ctx, i, entries)
             if same_layout:
                 if set(state) != set(saved["state"]):
                     raise ValueError(f"checkpoint optimizer {i} has state for {len(saved['state'])} parameters, "
@@ -147,10 +153,8 @@ def fill_checkpoint(checkpoint: dict, dcp_dir: str, module: nn.Module, ctx,
             new_states.append({"state": state, "param_groups": groups})
     load_pieces(pieces, dcp_dir)
     checkpoint["state_dict"] = {**checkpoint.get("state_dict", {}), **tensors}
-    if states is not None:
-        checkpoint["optimizer_states"] = new_states if optimizers else states
-        if any(s is None for s in new_states):
-            checkpoint["optimizer_states"] = None
-            restored = False
+    restored = not any(s is None for s in new_states)
+    if states is not None and optimizers:  # (without optimizers, e.g. validate(ckpt_path=...), none is loaded)
+        checkpoint["optimizer_states"] = new_states if restored else None
     checkpoint.pop(FORMAT_KEY, None)
     return checkpoint, restored
