@@ -43,8 +43,8 @@ MODEL_DCP = "model_dcp"  # the layout-independent tensors (strategy/reshard.py)
 
 
 def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dict, barrier: Callable[[str], None],
-                 write_model: Optional[Callable[[Path], None]] = None) -> None:
-    """``write_model(dir)``: collective, writes the layout-independent tensors into the save's directory."""
+                 write_tensors: Optional[Callable[[Path], None]] = None) -> None:
+    """``write_tensors(dir)``: collective, writes the layout-independent tensors into the save's directory."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
@@ -57,8 +57,8 @@ def save_sharded(checkpoint: dict, path, rank: int, world_size: int, layout: dic
         torch.save(checkpoint, f)
         f.flush()
         os.fsync(f.fileno())
-    if write_model is not None:
-        write_model(tmp / MODEL_DCP)
+    if write_tensors is not None:
+        write_tensors(tmp / MODEL_DCP)
     barrier("moe_fold.save.written")
     if rank == 0:
         meta = {"format": FORMAT, "world_size": world_size, "layout": layout,

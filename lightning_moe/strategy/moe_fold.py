@@ -393,7 +393,7 @@ class MoEFoldStrategy(ParallelStrategy):
         pieces, rest = split_checkpoint(checkpoint, self.lightning_module, self.parallel_context, self.optimizers,
                                         self._main_params)
         save_sharded(rest, path, self.global_rank, self.world_size, self._layout_dict(), self.barrier,
-                     write_model=lambda directory: save_pieces(pieces, str(directory)))
+                     write_tensors=lambda directory: save_pieces(pieces, str(directory)))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         path = self.broadcast(str(checkpoint_path))
