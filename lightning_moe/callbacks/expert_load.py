@@ -49,7 +49,8 @@ class ExpertLoadMonitor(L.Callback):
     the attention layout's ``tp_dp_cp`` group, so the numbers describe the global batch: TP ranks route disjoint
     shares of their tokens and CP ranks disjoint chunks of each sequence, so every token is counted once. All counters
     stay on the device: the one all-reduce and the host reads happen at logging steps only. Under pipeline
-    parallelism each stage reports its own layers.
+    parallelism the stages' layers are gathered (one more all-reduce over ``pp``), so every rank, rank 0's logger
+    included, logs every MoE layer.
 
     Attributes:
         last_metrics: the metrics of the last logged step, as device tensors keyed like the logged names.
@@ -83,11 +84,14 @@ class ExpertLoadMonitor(L.Callback):
         if step % self.every_n_steps:
             return
         layers = self._moe_layers(pl_module)
-        if not layers or not layers[0][1].last_stats:
+        pipelined = pl_module.parallel_context.pp > 1  # every stage joins the pp all-reduce, MoE layers or not
+        if not pipelined and (not layers or not layers[0][1].last_stats):
             return
         # (L, E + 1): kept assignments per expert, then dropped assignments; summed over the step's micro-batches
         stats_LX = torch.stack([torch.cat([m.last_stats["tokens_per_expert"].float(),
-                                           m.last_stats["num_dropped"].float().reshape(1)]) for _, m in layers])
+                                           m.last_stats["num_dropped"].float().reshape(1)]) for _, m in layers]
+                               ) if layers else torch.zeros(0, pl_module.model.cfg.num_experts + 1,
+                                                            device=pl_module.device)
         self._acc_LX = stats_LX if self._acc_LX is None else self._acc_LX + stats_LX
         if stepped:
             acc_LX, self._acc_LX = self._acc_LX, None
@@ -95,7 +99,14 @@ class ExpertLoadMonitor(L.Callback):
 
     @torch.no_grad()
     def _report(self, trainer: "L.Trainer", pl_module: "L.LightningModule", layers: list, acc_LX: torch.Tensor) -> None:
-        pl_module.parallel_context.all_reduce_(acc_LX, "tp_dp_cp")
+        ctx = pl_module.parallel_context
+        ctx.all_reduce_(acc_LX, "tp_dp_cp")
+        if ctx.pp > 1:  # a table of every MoE layer of the model, each stage filling its rows
+            cfg = pl_module.model.cfg
+            ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+            full_LX = acc_LX.new_zeros(len(ids), acc_LX.shape[1])
+            full_LX[[ids.index(i) for i, _ in layers]] = acc_LX
+            acc_LX, layers = ctx.all_reduce_(full_LX, "pp"), [(i, None) for i in ids]
         s = load_stats(acc_LX[:, :-1], acc_LX[:, -1])
         metrics: dict[str, torch.Tensor] = {}
         self.last_fractions = {}

@@ -68,6 +68,7 @@ class MoELanguageModel(L.LightningModule):
         self.hparams["config"] = dataclasses.asdict(config)
         self.parallel_context: ParallelContext = ParallelContext.single()
         self.model: Optional[MoETransformer] = None
+        self._pipeline_load: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> counts over micro-batches
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -137,6 +138,13 @@ class MoELanguageModel(L.LightningModule):
         """One model chunk on one micro-batch: (hidden states for the next stage, or on the last stage the mean LM
         loss of the micro-batch; the chunk's auxiliary loss)."""
         out, aux = self.model.forward_chunk(chunk, micro_batch["input_ids"], x_BSD)
+        if self.training:  # each MoE layer's routing counts, summed over the step's micro-batches (see below)
+            for i in self.model.chunk_layers[chunk]:
+                stats = self.model.layers[i].ffn.last_stats if self.model.layers[i].is_moe else None
+                if stats:
+                    prev = self._pipeline_load.get(i)
+                    now = (stats["tokens_per_expert"], stats["num_dropped"])
+                    self._pipeline_load[i] = now if prev is None else (prev[0] + now[0], prev[1] + now[1])
         if self.model.is_last_chunk(chunk):
             out = self.model.lm_loss(out, micro_batch["labels"])
         return out, aux
@@ -145,8 +153,13 @@ class MoELanguageModel(L.LightningModule):
                           stage: str):
         """After a pipeline schedule ran every micro-batch (and, in training, its backward): ``lm_loss`` is the mean
         over micro-batches (on every stage), ``aux`` this rank's chunks' mean auxiliary loss. The auxiliary parts
-        logged are those of the last micro-batch."""
+        logged are those of the last micro-batch; the expert load (``last_stats`` counts, read by
+        ``expert_load_metrics`` and ``ExpertLoadMonitor``) is that of all the step's micro-batches, as without PP."""
         if stage == "train":
+            for i, (tokens_E, dropped) in self._pipeline_load.items():
+                ffn = self.model.layers[i].ffn
+                ffn.last_stats = {**ffn.last_stats, "tokens_per_expert": tokens_E, "num_dropped": dropped}
+            self._pipeline_load = {}
             out = self._report_train(batch, lm_loss, aux, over=("tp", "pp"))
             out["loss"] = out["lm_loss"] + out["aux_loss"]  # detached: the schedule already ran backward
             return out

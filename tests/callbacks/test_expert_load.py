@@ -138,6 +138,8 @@ def test_matches_model_expert_load_metrics(token_file, accumulate):
 class FakeTwoRankContext:
     """Stands in for a 2-rank ParallelContext: the 'other rank' routed every token to experts 2 and 3."""
 
+    pp = 1  # no pipeline stages
+
     def __init__(self):
         self.calls = []
 

@@ -34,21 +34,25 @@ class StepLoss(L.Callback):
 
 def _run(rank, world, tokens, root):
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, MoEThroughput, TokenDataModule
+    from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
     L.seed_everything(0, verbose=False)
     parallel = world > 1
     strategy = MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=M, timeout=60) if parallel else "auto"
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(Path(root) / "ckpt"), every_n_train_steps=2,
                                                save_top_k=-1)
     losses, tput = StepLoss(), MoEThroughput(log_every_n_steps=2, warmup_steps=0, prog_bar=False)
+    load = ExpertLoadMonitor(every_n_steps=2, log_histogram=False)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4,
                         accumulate_grad_batches=1 if parallel else M, gradient_clip_val=0.5, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                        callbacks=[losses, ckpt, tput] if parallel else [losses], enable_checkpointing=parallel,
+                        callbacks=[losses, load, ckpt, tput] if parallel else [losses, load],
+                        enable_checkpointing=parallel,
                         limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=1)
     model = MoELanguageModel(**MODEL)
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=32, batch_size=8 // M * (M if parallel
                                                                                                    else 1), seed=3))
-    out = {"train_loss_logged": float(trainer.callback_metrics["train_loss"]), "steps": losses.steps}
+    out = {"train_loss_logged": float(trainer.callback_metrics["train_loss"]), "steps": losses.steps,
+           "load": {k: float(v) for k, v in load.last_metrics.items()}}
     if parallel:
         out["timing"] = trainer.strategy.pipeline_timing()
     val_dm = TokenDataModule(path=tokens, seq_length=32, batch_size=8, seed=3)
@@ -83,6 +87,17 @@ def test_losses_logged_from_the_last_stage_on_every_rank(runs):
         torch.testing.assert_close(torch.tensor(r["steps"]), torch.tensor(ref["steps"]), rtol=1e-5, atol=0)
         assert r["train_loss_logged"] == pytest.approx(ref["steps"][-1], rel=1e-5)
     assert ref["steps"][-1] < ref["steps"][0]
+
+
+def test_expert_load_of_every_stage_and_micro_batch_on_every_rank(runs):
+    """Rank 0 (first stage) logs the last stage's layers too, and the counts are those of all 4 micro-batches: the
+    same numbers as the 1-process run accumulating the same micro-batches."""
+    ref, pp = runs
+    assert {k.split("/")[1] for k in ref["load"] if k.count("/") == 2} == {f"layer{i}" for i in range(4)}
+    for r in pp:
+        assert r["load"].keys() == ref["load"].keys()
+        for k, v in ref["load"].items():
+            assert r["load"][k] == pytest.approx(v, rel=1e-6), k
 
 
 def test_validation_runs_the_forward_only_schedule(runs):
