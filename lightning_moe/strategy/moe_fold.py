@@ -401,8 +401,7 @@ class MoEFoldStrategy(ParallelStrategy):
 
         def fill(checkpoint, directory, same_layout) -> dict:
             checkpoint, ok = fill_checkpoint(checkpoint, str(directory), self.lightning_module, self.parallel_context,
-                                             self.optimizers, self._main_params, same_layout,
-                                             lambda pieces, d: load_pieces(pieces, d))
+                                             self.optimizers, self._main_params, same_layout, load_pieces)
             restored.append(ok)
             return checkpoint
 
