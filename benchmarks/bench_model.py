@@ -37,6 +37,7 @@ import traceback
 import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
+from gaps import profiler_gaps
 from common import (DENSE_BF16_PEAK_TFLOPS, elapsed_ms, emit, env_info, kernel_breakdown, log, pick_device,
                     profiler_kernels, stamp, stdout_to_stderr, sync)
 
@@ -99,14 +100,14 @@ class ProfileSteps(L.Callback):
     """torch.profiler over two optimizer steps after the timed ones; writes the kernel table (top 30 by CUDA time) and keeps
     this rank's time breakdown (``common.kernel_breakdown``)."""
 
-    def __init__(self, path: str, start_step: int):
-        self.path, self.start, self.prof = path, start_step, None
+    def __init__(self, path: str, start_step: int, gaps: bool = False):
+        self.path, self.start, self.prof, self.gaps = path, start_step, None, gaps
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.prof is None and trainer.global_step == self.start:
             activities = [torch.profiler.ProfilerActivity.CPU]
             activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-            self.prof = torch.profiler.profile(activities=activities)
+            self.prof = torch.profiler.profile(activities=activities, with_stack=self.gaps)
             self.prof.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -120,6 +121,8 @@ class ProfileSteps(L.Callback):
                 f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
             # where the time went on this rank (compute, exposed communication, idle): gathered into the record
             self.breakdown = kernel_breakdown(profiler_kernels(self.prof))
+            if self.gaps:  # who launched the kernel after each idle gap (with_stack names the code)
+                self.breakdown["idle_gaps"] = profiler_gaps(self.prof)
 
 
 class StepTimer(L.Callback):
@@ -232,7 +235,7 @@ def run_one(args, preset: str) -> dict:
             log("--compile is a placeholder: the model runs eagerly")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        prof_cb = [ProfileSteps(args.profile, steps)] if args.profile else []
+        prof_cb = [ProfileSteps(args.profile, steps, args.gaps)] if args.profile else []
         trainer.callbacks.extend(prof_cb)
         with stdout_to_stderr():
             trainer.fit(model, datamodule=data)
@@ -325,6 +328,9 @@ def main(argv=None) -> dict:
                    help="bf16-true: bf16 weights with fp32 main grads/params (MoEFoldStrategy's default for bf16 "
                         "weights); bf16-mixed: autocast over fp32 weights")
     p.add_argument("--profile", default=None, help="write a torch.profiler kernel table of 2 steps to this path")
+    p.add_argument("--gaps", action="store_true",
+                   help="with --profile: record Python stacks and charge each idle gap to the code that launched the "
+                        "next kernel (benchmarks/gaps.py); the stacks slow the host, so the breakdown is pessimistic")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, folded over the data-parallel ranks")

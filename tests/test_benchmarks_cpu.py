@@ -112,3 +112,46 @@ def test_kernel_breakdown_splits_compute_comm_idle(monkeypatch):
     assert b["sendrecv_frac"] == 0.0
     assert kernel_breakdown([("gemm", 0, 10), ("ncclDevKernel_SendRecv", 5, 15)])["sendrecv_frac"] == pytest.approx(2 / 3)
     assert kernel_breakdown([]) == {}
+
+
+def test_idle_gaps_charge_the_next_launch(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from gaps import blocking_calls, idle_gaps
+    # kernels (start, end, launch): 0-40 a, 30-50 b (overlaps: no gap), 80-90 c (30 us gap), 92-100 a (2 us: jitter),
+    # 150-160 c (50 us gap)
+    k = [(0, 40, 1), (30, 50, 2), (80, 90, 3), (92, 100, 1), (150, 160, 3)]
+    g = idle_gaps(k, {1: "router", 2: "experts", 3: "dispatch.cpu()"}, min_gap_us=5)
+    assert g["window_ms"] == pytest.approx(0.16)
+    assert g["idle_ms"] == pytest.approx(0.082)
+    assert g["idle_in_short_gaps_ms"] == pytest.approx(0.002)
+    assert g["by_next_launch"] == [{"where": "dispatch.cpu()", "idle_ms": 0.08, "gaps": 2}]
+    assert idle_gaps([], {}) == {}
+    calls = [("cudaLaunchKernel", 5, "x"), ("cudaStreamSynchronize", 300, "a2a"), ("cudaStreamSynchronize", 100, "a2a"),
+             ("cudaFree", 900, "alloc")]
+    assert blocking_calls(calls) == [{"call": "cudaFree", "where": "alloc", "ms": 0.9, "count": 1},
+                                     {"call": "cudaStreamSynchronize", "where": "a2a", "ms": 0.4, "count": 2}]
+
+
+def test_trace_gaps_name_the_launching_code(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from gaps import trace_gaps
+
+    def X(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+    events = [  # backward thread 2 launches kernel 6 (0-50); the forward's kernel 7 starts at 100: a 50 us gap
+        X("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 0, 10, tid=2),
+        X("cpu_op", "aten::mm", 1, 8, tid=2), X("cuda_runtime", "cudaLaunchKernel", 2, 1, tid=2, correlation=6),
+        X("python_function", "/x/site-packages/lightning_moe/modules/experts.py(80): forward", 0, 99),
+        X("python_function", "torch/nn/functional.py(10): silu", 59, 30),
+        X("cpu_op", "aten::mm", 60, 40), X("cuda_runtime", "cudaStreamSynchronize", 61, 35),
+        X("cuda_runtime", "cudaLaunchKernel", 96, 1, correlation=7),
+        X("kernel", "gemm", 0, 50, tid=9, correlation=6), X("kernel", "gemm", 100, 10, tid=9, correlation=7)]
+    g = trace_gaps(events)
+    assert g["idle_ms"] == pytest.approx(0.05)
+    assert g["by_next_launch"] == [{"where": "lightning_moe/modules/experts.py(80): forward [aten::mm]",
+                                    "idle_ms": 0.05, "gaps": 1}]
+    assert g["blocking_calls"] == [{"call": "cudaStreamSynchronize", "ms": 0.035, "count": 1,
+                                    "where": "lightning_moe/modules/experts.py(80): forward [aten::mm]"}]
+    # without a frame of ours: outermost op > innermost op
+    events[3]["name"] = "torch/autograd/__init__.py(1): backward"
+    assert trace_gaps(events)["by_next_launch"][0]["where"] == "aten::mm"

@@ -334,3 +334,24 @@ def test_validate_before_fit(tmp_path):
     trainer = L.Trainer(max_steps=2, limit_val_batches=0, **kw)
     trainer.fit(model, dm)
     assert trainer.global_step == 2
+
+
+def test_progress_bar_shows_the_loss_from_host_values(tmp_path, pattern_file):
+    """The bar's ``loss`` is a host value (Lightning reads bar values back after every batch; a device tensor would
+    sync there); ``train_loss`` goes to loggers and callbacks only, exact."""
+    model = MoELanguageModel(preset="tiny", overrides=TRAIN_OVERRIDES)
+    lm_losses = []
+
+    class Rec(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            lm_losses.append(outputs["lm_loss"].item())
+            assert trainer.progress_bar_metrics["loss"] == lm_losses[-1]  # on CPU: no copy to wait for
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, callbacks=[Rec()],
+                        limit_val_batches=0, enable_checkpointing=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, TokenDataModule(path=pattern_file, seq_length=32, batch_size=8, seed=1))
+    assert len(lm_losses) == 3
+    assert "train_loss" not in trainer.progress_bar_metrics
+    assert trainer.callback_metrics["train_loss"].item() == lm_losses[-1]

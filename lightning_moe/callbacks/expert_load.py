@@ -122,8 +122,11 @@ class ExpertLoadMonitor(L.Callback):
         metrics["expert_load/max_imbalance"] = s["imbalance"].max()
         self.last_metrics = metrics
         for name, value in metrics.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1,
-                          prog_bar=self.prog_bar and name == "expert_load/max_imbalance")
+            bar = self.prog_bar and name == "expert_load/max_imbalance"
+            # a progress-bar value goes to the host here, once per report: Lightning would read a device tensor back
+            # with .item() after every batch (a host sync per micro-batch)
+            pl_module.log(name, value.cpu() if bar else value, on_step=True, on_epoch=False, batch_size=1,
+                          prog_bar=bar)
         if self.log_histogram and trainer.is_global_zero:  # only rank 0's logger has a real experiment
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):

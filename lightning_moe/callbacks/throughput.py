@@ -13,6 +13,8 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning_moe.flops import peak_flops, training_flops_per_token
 from lightning_moe.modules.config import ModelConfig
 
+_PROG_BAR = ("perf/tokens_per_sec", "perf/mfu")
+
 
 def data_parallel_size(trainer: "L.Trainer") -> int:
     """Replicas of the data stream: the strategy's ``distributed_sampler_kwargs["num_replicas"]`` (the attention-DP
@@ -215,11 +217,10 @@ class MoEThroughput(L.Callback):
                  **self._pipeline_entry(pl_module)}
         self.history.append(entry)
         log = dict(on_step=True, on_epoch=False, batch_size=1)
-        pl_module.log("perf/tokens_per_sec", tokens_per_sec, prog_bar=self.prog_bar, **log)
-        pl_module.log("perf/step_time_s", entry["step_time_s"], **log)
-        pl_module.log("perf/tflops_per_gpu", tflops, **log)
-        if mfu is not None:
-            pl_module.log("perf/mfu", mfu, prog_bar=self.prog_bar, **log)
-        if self.pipeline_bubble_fraction is not None:
-            pl_module.log("perf/pipeline_bubble", self.pipeline_bubble_fraction, **log)
+        values = {"perf/tokens_per_sec": tokens_per_sec, "perf/step_time_s": entry["step_time_s"],
+                  "perf/tflops_per_gpu": tflops, "perf/mfu": mfu, "perf/pipeline_bubble": self.pipeline_bubble_fraction}
+        for name, value in values.items():
+            if value is not None:  # host numbers stay on the host: Lightning would put a float on the GPU, then read
+                # a progress-bar value back with .item() after every batch (a host sync per micro-batch)
+                pl_module.log(name, torch.tensor(float(value)), prog_bar=self.prog_bar and name in _PROG_BAR, **log)
         self._open_window(t, step)

@@ -69,6 +69,7 @@ class MoELanguageModel(L.LightningModule):
         self.parallel_context: ParallelContext = ParallelContext.single()
         self.model: Optional[MoETransformer] = None
         self._pipeline_load: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> counts over micro-batches
+        self._pbar_copy: Optional[tuple] = None  # (pinned host loss, CUDA event of its copy): see _progress_bar_loss
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -107,8 +108,9 @@ class MoELanguageModel(L.LightningModule):
     def _report_train(self, batch: dict, lm_loss: torch.Tensor, aux: torch.Tensor, over: tuple = ("tp",)) -> dict:
         """Log train_loss / aux_loss / z_loss (and expert load); the detached ``lm_loss`` and ``aux_loss``."""
         bs = batch["input_ids"].shape[0]
-        # the mean over data-parallel ranks: the same number on every layout (one small all-reduce per step)
-        self.log("train_loss", lm_loss, prog_bar=True, batch_size=bs, sync_dist=True)
+        # the mean over data-parallel ranks: the same number on every layout (one small all-reduce, no host sync)
+        self.log("train_loss", lm_loss, batch_size=bs, sync_dist=True)
+        self._progress_bar_loss(lm_loss, bs)
         # [total aux, load-balancing part, z part], summed over TP (and PP stages) in scalar all-reduces
         parts = [aux]
         stats = [m.last_stats for m in self.model.moe_layers()]
@@ -124,6 +126,29 @@ class MoELanguageModel(L.LightningModule):
             if stats and self.hparams.log_expert_load and self._writes_logs_now():
                 self.log_dict(self.expert_load_metrics(), batch_size=bs)
         return {"lm_loss": lm_loss, "aux_loss": reported[0]}
+
+    def _progress_bar_loss(self, lm_loss: torch.Tensor, bs: int) -> None:
+        """The progress bar's ``loss``, without a host sync. Lightning turns every progress-bar value into a Python
+        number after every batch (``.item()`` drains the GPU queue, and exposes the host's data loading and launches),
+        so the bar gets a host copy of a recent micro-batch's loss once its non-blocking copy has landed (on CUDA
+        usually one micro-batch late). ``train_loss`` itself (loggers, ``callback_metrics``) is exact."""
+        t = self._trainer
+        if t is None or t.progress_bar_callback is None:
+            return
+        if not lm_loss.is_cuda:
+            self.log("loss", lm_loss.detach().cpu(), prog_bar=True, logger=False, batch_size=bs)
+            return
+        if self._pbar_copy is None:
+            self._pbar_copy = (torch.empty((), dtype=lm_loss.dtype, pin_memory=True), None)
+        host, landed = self._pbar_copy
+        if landed is not None and landed.query():  # query() does not block
+            self.log("loss", host, prog_bar=True, logger=False, batch_size=bs)  # Lightning clones it
+            landed = None
+        if landed is None:
+            host.copy_(lm_loss.detach(), non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+        self._pbar_copy = (host, landed)
 
     # ------------------------------------------------------------------ pipeline parallelism (MoEFoldStrategy)
     def pipeline_model(self) -> MoETransformer:

@@ -19,15 +19,22 @@ def _collectives(rank, world):
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=s, logger=False)
     s.setup_environment()
     x = torch.tensor([float(rank + 1)])
+    barrier = torch.distributed.barrier
+    torch.distributed.barrier = None  # reduce (self.log(sync_dist=True)) must not add a barrier: a host sync on NCCL
     out = {
         "mean": s.reduce(x.clone(), reduce_op="mean").item(),
         "sum": s.reduce(x.clone(), reduce_op="sum").item(),
+        "max": s.reduce(x.clone(), reduce_op="max").item(),
+        "int_mean": s.reduce(torch.tensor([4 * rank + 1]), reduce_op="mean").tolist(),
+    }
+    torch.distributed.barrier = barrier
+    out.update({
         "broadcast": s.broadcast({"from": rank}, src=1)["from"],
         "gather": s.all_gather(x).flatten().tolist(),
         "sampler": s.distributed_sampler_kwargs,
         "ctx": repr(s.parallel_context),
         "is_distributed": s.is_distributed,
-    }
+    })
     s.barrier()
     del trainer
     return out
@@ -36,7 +43,8 @@ def _collectives(rank, world):
 def test_collectives(tmp_path):
     res = run_ranks(_collectives, 2, out_dir=str(tmp_path))
     for rank, r in enumerate(res):
-        assert r["mean"] == pytest.approx(1.5) and r["sum"] == pytest.approx(3.0)
+        assert r["mean"] == pytest.approx(1.5) and r["sum"] == pytest.approx(3.0) and r["max"] == 2.0
+        assert r["int_mean"] == [3]  # (1 + 5) / 2, in place in the integer tensor
         assert r["broadcast"] == 1
         assert r["gather"] == [1.0, 2.0]
         assert r["sampler"] == {"num_replicas": 2, "rank": rank}
