@@ -167,6 +167,8 @@ def strategy_kwargs(args) -> dict:
               context_parallel_size=args.cp)
     if args.sp is not None:
         kw["sequence_parallel"] = bool(args.sp)
+    if args.cuda_graphs:
+        kw["cuda_graphs"] = True
     if args.pp > 1 or args.microbatches > 1:
         kw.update(pipeline_parallel_size=args.pp, num_microbatches=args.microbatches)
         if args.vpp:
@@ -302,6 +304,7 @@ def run_in_subprocess(args, preset: str) -> dict:
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--compile"] if args.compile else []
+        cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         cmd += ["--smoke"] if args.smoke else []
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
         if proc.returncode != 0 or not os.path.isfile(out):
@@ -331,6 +334,8 @@ def main(argv=None) -> dict:
     p.add_argument("--gaps", action="store_true",
                    help="with --profile: record Python stacks and charge each idle gap to the code that launched the "
                         "next kernel (benchmarks/gaps.py); the stacks slow the host, so the breakdown is pessimistic")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="MoEFoldStrategy(cuda_graphs=True): each block's forward and backward as CUDA graphs")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, folded over the data-parallel ranks")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU: gpu-marked tests, then where the idle time of a one-GPU step goes (bench_model.py --profile --gaps) for
 # qwen3 (4 layers, 128 experts) and deepseek-v3 (2 layers, 32 experts), with the allocator's default and with
-# expandable segments. Usage (repo root): OUT=outdir bash benchmarks/run_h100_gaps.sh   (TESTS=0 skips the tests)
+# expandable segments, and with the blocks in CUDA graphs (--cuda-graphs).
+# Usage (repo root): OUT=outdir bash benchmarks/run_h100_gaps.sh   (TESTS=0 skips the tests; RUNS="a b" picks runs)
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/lmoe_work}; mkdir -p "$WORK"
@@ -35,4 +36,12 @@ D="--preset deepseek-v3 --layers 2 --vocab 32768 --batch 1 --accumulate 4 --firs
 model qwen3 $Q --profile "$WORK/p_qwen3.txt"
 model qwen3_gaps $Q --profile "$WORK/p_qwen3_gaps.txt" --gaps
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True model qwen3_expandable $Q --profile "$WORK/p_qwen3_exp.txt"
+model deepseek $D --profile "$WORK/p_deepseek.txt"
 model deepseek_gaps $D --profile "$WORK/p_deepseek_gaps.txt" --gaps
+model qwen3_graphs $Q --profile "$WORK/p_qwen3_graphs.txt" --cuda-graphs
+model deepseek_graphs $D --profile "$WORK/p_deepseek_graphs.txt" --cuda-graphs
+model qwen3_graphs_gaps $Q --profile "$WORK/p_qwen3_graphs_gaps.txt" --cuda-graphs --gaps
+# a host-bound shape: 2 x 1024 tokens per micro-batch
+S="--preset qwen3-30b-a3b --layers 4 --vocab 32768 --seq 1024 --batch 2 --accumulate 4 --steps 12 --warmup-steps 4"
+model qwen3_short $S --profile "$WORK/p_qwen3_short.txt"
+model qwen3_short_graphs $S --profile "$WORK/p_qwen3_short_graphs.txt" --cuda-graphs

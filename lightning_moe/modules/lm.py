@@ -150,6 +150,12 @@ class MoELanguageModel(L.LightningModule):
             landed.record()
         self._pbar_copy = (host, landed)
 
+    def cuda_graph_blocks(self, batch: dict) -> tuple[list, tuple[int, int, int], torch.dtype, torch.Tensor]:
+        """For ``MoEFoldStrategy(cuda_graphs=True)``: the blocks in call order, and their input shape, dtype and
+        positions for this batch."""
+        shape, dtype, positions_S = self.model.block_inputs(batch["input_ids"])
+        return list(self.model.layers), shape, dtype, positions_S
+
     # ------------------------------------------------------------------ pipeline parallelism (MoEFoldStrategy)
     def pipeline_model(self) -> MoETransformer:
         """The chunked model: its stages, chunk parameters and inter-stage shapes (see strategy/pipeline)."""

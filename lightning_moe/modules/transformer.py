@@ -160,6 +160,15 @@ class MoETransformer(nn.Module):
         logits_BSV, aux = self(tokens_BS)
         return self.lm_loss(logits_BSV, labels_BS), aux
 
+    def block_inputs(self, tokens_BS: torch.Tensor) -> tuple[tuple[int, int, int], torch.dtype, torch.Tensor]:
+        """What every block receives for these tokens: the residual stream's (B, S, D) and dtype, and the
+        positions (the blocks' inputs that CUDA graphs capture)."""
+        S, cp = tokens_BS.shape[1], self.ctx.cp
+        first = self.embed if self.embed is not None else self.layers[self.chunk_layers[0][0]].attn_norm
+        dtype = first.weight.dtype  # the residual stream's: the embedding's output, or a block's norm
+        return (self.chunk_input_shape(tuple(tokens_BS.shape)), dtype,
+                zigzag_positions(S, cp, self.ctx.rank("cp"), tokens_BS.device))
+
     def moe_layers(self) -> list[MoELayer]:
         return [blk.ffn for blk in self.layers if blk.is_moe]
 

@@ -25,7 +25,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from lightning_moe.strategy.checkpoint import load_sharded, save_sharded
 from lightning_moe.strategy.checkpoint_state import fill_checkpoint, split_checkpoint
+from lightning_moe.strategy.cuda_graphs import capture_blocks, release_blocks, unsupported_layout
 from lightning_moe.strategy.reshard import load_pieces, save_pieces
 from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
@@ -74,6 +75,10 @@ class MoEFoldStrategy(ParallelStrategy):
             precision (plain Lightning ``bf16-true``). Checkpoints then hold the fp32 weights.
         timeout: seconds (or timedelta) a collective may wait before failing, e.g. when another rank died.
         process_group_backend: defaults to NCCL on CUDA and gloo on CPU.
+        cuda_graphs: capture every transformer block's forward and backward in CUDA graphs at the first training
+            batch (``strategy/cuda_graphs.py``): no host launch overhead inside the blocks. Needs CUDA, bf16 weights
+            (``precision="bf16-true"``, not autocast), and a layout without collectives inside the blocks
+            (tp = cp = ep = etp = 1, no pipeline schedule; data parallelism is fine).
     """
 
     strategy_name = "moe_fold"
@@ -84,8 +89,9 @@ class MoEFoldStrategy(ParallelStrategy):
                  num_microbatches: int = 1, sequence_parallel: Optional[bool] = None,
                  pipeline_schedule: Optional[str] = None, pipeline_first_stage_layers: Optional[int] = None,
                  pipeline_last_stage_layers: Optional[int] = None, bucket_size_mb: float = 25.0,
-                 overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None, timeout: Union[float, timedelta] = 1800.0,
-                 process_group_backend: Optional[str] = None, accelerator=None,
+                 overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None,
+                 timeout: Union[float, timedelta] = 1800.0,
+                 process_group_backend: Optional[str] = None, cuda_graphs: bool = False, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -114,6 +120,13 @@ class MoEFoldStrategy(ParallelStrategy):
             rank_zero_warn(f"MoEFoldStrategy: num_microbatches={num_microbatches} < pipeline_parallel_size="
                            f"{pipeline_parallel_size} leaves the pipeline idle {bubble:.0%} of the time; use at "
                            "least as many micro-batches as stages (Megatron uses >= 4x)")
+        if cuda_graphs:
+            why = unsupported_layout(tensor_parallel_size, context_parallel_size, expert_parallel_size,
+                                     expert_tensor_parallel_size, pipeline_parallel_size, num_microbatches)
+            if why:
+                raise ValueError(f"MoEFoldStrategy(cuda_graphs=True) cannot capture this layout: {why}")
+        self.cuda_graphs = bool(cuda_graphs)
+        self._graphs: Optional[tuple] = None  # (captured blocks, hook handles)
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("MoEFoldStrategy(sequence_parallel=True) has no effect without tensor parallelism "
                            "(tensor_parallel_size=1); it is turned off.")
@@ -226,6 +239,8 @@ class MoEFoldStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if self.pp > 1 or self.num_microbatches > 1:
             self._setup_pipeline(trainer)
+        if self.cuda_graphs and trainer.state.fn == TrainerFn.FITTING:
+            self._check_cuda_graphs()
         # global-norm clipping: every parameter counted once across the EP/ETP and DP groups
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if getattr(self.precision_plugin, "scaler", "absent") is None:
@@ -251,6 +266,30 @@ class MoEFoldStrategy(ParallelStrategy):
                              "'16-mixed'); use 'bf16-mixed' or 'bf16-true'")
         self._pipeline = PipelineEngine(self.parallel_context, self.pipeline_schedule, self.num_microbatches,
                                         self.root_device)
+
+    def _check_cuda_graphs(self) -> None:
+        if self.root_device.type != "cuda":
+            raise ValueError(f"MoEFoldStrategy(cuda_graphs=True) needs CUDA devices, not {self.root_device.type}")
+        if isinstance(self.precision_plugin, MixedPrecision):
+            raise ValueError("MoEFoldStrategy(cuda_graphs=True) cannot capture autocast (precision='bf16-mixed' or "
+                             "'16-mixed'): use precision='bf16-true' (fp32 main params)")
+        if any(getattr(p, "is_expert", False) and p.dtype not in (torch.bfloat16, torch.float16)
+               for p in self.lightning_module.parameters()):
+            raise ValueError("MoEFoldStrategy(cuda_graphs=True) needs bf16 expert weights (precision='bf16-true'): "
+                             "torch's float32 grouped GEMM copies its group offsets to the host, which a graph "
+                             "cannot capture")
+        if not callable(getattr(self.lightning_module, "cuda_graph_blocks", None)):
+            raise TypeError("MoEFoldStrategy(cuda_graphs=True) needs the LightningModule to implement "
+                            "cuda_graph_blocks(batch) -> (blocks, input shape, dtype, positions); MoELanguageModel "
+                            "does")
+
+    def _capture_cuda_graphs(self, batch) -> None:
+        blocks, x_shape, dtype, positions_S = self.lightning_module.cuda_graph_blocks(batch)
+        with self.precision_plugin.train_step_context():
+            # fp32 main grads: GradSync's hook consumes each gradient at once, so the graphs' static gradient
+            # buffers can go to autograd as they are; otherwise param.grad accumulates and must get a copy
+            handles = capture_blocks(blocks, x_shape, dtype, positions_S, copy_param_grads=self._main_params is None)
+        self._graphs = (blocks, handles)
 
     def pipeline_timing(self) -> dict:
         """The last pipeline schedule on this rank: ``wall_s``, ``busy_s``, the measured ``bubble_fraction``
@@ -289,6 +328,8 @@ class MoEFoldStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ the training step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
+            if self.cuda_graphs and self._graphs is None:
+                self._capture_cuda_graphs(_batch_args(args, kwargs)[0])
             return super().training_step(*args, **kwargs)
         batch, batch_idx = _batch_args(args, kwargs)
         module = self.lightning_module
@@ -469,6 +510,9 @@ class MoEFoldStrategy(ParallelStrategy):
                   "rank probably died first: look at its log.", file=sys.stderr, flush=True)
 
     def teardown(self) -> None:
+        if self._graphs is not None:
+            release_blocks(*self._graphs)
+            self._graphs = None
         if self._grad_sync is not None:
             self._grad_sync.release()
             self._grad_sync = None

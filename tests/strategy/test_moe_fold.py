@@ -66,3 +66,26 @@ def test_sequence_parallel_defaults():
     assert not MoEFoldStrategy().sequence_parallel
     with pytest.warns(UserWarning, match="no effect without tensor parallelism"):
         assert not MoEFoldStrategy(sequence_parallel=True).sequence_parallel
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(expert_parallel_size=2), "ep=2"),
+    (dict(tensor_parallel_size=2), "tp=2"),
+    (dict(num_microbatches=2), "forwards and backwards must alternate"),
+])
+def test_cuda_graphs_refuse_layouts_with_collectives_or_schedules(kwargs, match):
+    with pytest.raises(ValueError, match=f"cuda_graphs=True.*{match}"):
+        MoEFoldStrategy(cuda_graphs=True, **kwargs)
+
+
+def test_cuda_graphs_need_cuda(tmp_path):
+    from lightning_moe import MoELanguageModel, TokenDataModule
+    from lightning_moe.data import write_tokens
+    import numpy as np
+    tokens = write_tokens(str(tmp_path / "t.bin"), np.random.default_rng(0).integers(0, 256, 4000), "uint16")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEFoldStrategy(cuda_graphs=True), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=16, hidden_size=32, num_layers=1))
+    with pytest.raises(ValueError, match="cuda_graphs=True. needs CUDA devices, not cpu"):
+        trainer.fit(model, TokenDataModule(path=tokens, seq_length=16, batch_size=2))
+    assert trainer.global_step == 0
