@@ -78,7 +78,8 @@ class MoEFoldStrategy(ParallelStrategy):
         cuda_graphs: capture every transformer block's forward and backward in CUDA graphs at the first training
             batch (``strategy/cuda_graphs.py``): no host launch overhead inside the blocks. Needs CUDA, bf16 weights
             (``precision="bf16-true"``, not autocast), and a layout without collectives inside the blocks
-            (tp = cp = ep = etp = 1, no pipeline schedule; data parallelism is fine).
+            (tp = cp = ep = etp = 1, no pipeline schedule). Data parallelism is allowed (its all-reduce runs in
+            hooks outside the graphs) but so far was tested on one GPU only.
     """
 
     strategy_name = "moe_fold"
