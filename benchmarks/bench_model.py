@@ -356,6 +356,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    if args.gaps and not args.profile:
+        p.error("--gaps needs --profile PATH (it analyses the profiled steps)")
     presets = [s.strip() for s in (args.preset or ("tiny" if args.smoke else DEFAULT_PRESETS)).split(",")
                if s.strip()]
     device = pick_device(args.smoke)
