@@ -7,6 +7,10 @@ Optimizer state is keyed by the *parameter's name* (``optim/<optimizer>/<state k
 index in the optimizer, which depends on the layout (a PP stage holds only its layers). A state tensor shaped like its
 parameter is sharded like it (Adam's moments, momentum buffers); a 0-d one (Adam's ``step``) is stored whole. An
 optimizer with state of another shape stays in the shard file and restarts under another layout (with a warning).
+
+Under the distributed optimizer (``sharded_optimizer.py``) the optimizer steps flat slices of the parameters: each
+slice's state, and the fp32 main weights, are written as the rectangular blocks of the logical tensors they cover
+(``reshard.range_pieces``), so the checkpoint looks the same as without it and loads either way.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_moe.strategy.reshard import Piece, model_pieces, read_tensor_metadata
+from lightning_moe.strategy.reshard import Piece, model_pieces, range_pieces, read_tensor_metadata
 
 FORMAT_KEY = "moe_fold_dcp"  # in the shard: what was moved into the DCP directory
 
 
-def _optimizer_tensor_names(module: nn.Module, main_params) -> dict[int, str]:
-    """id(tensor the optimizer steps) -> the model parameter's name (fp32 main copies stand in for bf16 weights)."""
+def _optimizer_tensor_names(module: nn.Module, main_params) -> dict[int, tuple[str, Optional[int], Optional[int]]]:
+    """id(tensor the optimizer steps) -> (the model parameter's name, and the flat range ``lo, hi`` of it that the
+    tensor holds, or None, None for the whole parameter; fp32 main copies stand in for bf16 weights)."""
+    if hasattr(main_params, "slots"):  # the distributed optimizer's slices
+        return {id(s.tensor): (s.name, s.lo, s.hi) for s in main_params.slots}
     names = {}
     for name, p in module.named_parameters():
         t = p
@@ -33,8 +40,12 @@ def _optimizer_tensor_names(module: nn.Module, main_params) -> dict[int, str]:
                 t = main_params.main_of(p)
             except KeyError:
                 pass
-        names[id(t)] = name
+        names[id(t)] = (name, None, None)
     return names
+
+
+def _param_shapes(module: nn.Module) -> dict[str, tuple]:
+    return {n: tuple(p.shape) for n, p in module.named_parameters()}
 
 
 def _order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -46,20 +57,26 @@ def _key(i: int, k: str, name: str = "") -> str:
     return f"optim/{i}/{k}/{name}"
 
 
-def _state_pieces(module, ctx, i: int, entries: list[tuple[str, Optional[str], torch.Tensor, torch.Tensor]]
+def _state_pieces(module, ctx, i: int, entries: list[tuple[str, Optional[tuple], torch.Tensor, torch.Tensor]]
                   ) -> Optional[list[Piece]]:
-    """The DCP pieces of optimizer ``i``'s state tensors ``(state key, param name, tensor, param)``; None when one
-    cannot be resharded (no parameter name, or shaped neither like its parameter nor 0-d, e.g. factored moments)."""
+    """The DCP pieces of optimizer ``i``'s state tensors ``(state key, (param name, lo, hi), tensor, the tensor the
+    optimizer steps)``; None when one cannot be resharded (no parameter name, or shaped neither like what the
+    optimizer steps nor 0-d, e.g. factored moments)."""
     pieces, shaped = [], defaultdict(dict)
-    for k, name, v, p in entries:
-        if name is None:
+    shapes = None
+    for k, info, v, p in entries:
+        if info is None:
             return None
+        name, lo, hi = info
         if v.ndim == 0:
             pieces.append(Piece(_key(i, k, name), (), (), v.detach()))
-        elif tuple(v.shape) == tuple(p.shape):
-            shaped[k][name] = v
-        else:
+        elif tuple(v.shape) != tuple(p.shape):
             return None
+        elif lo is not None:  # a distributed-optimizer slice of the parameter
+            shapes = shapes or _param_shapes(module)
+            pieces += range_pieces(module, ctx, name, shapes[name], lo, hi, v.detach(), prefix=_key(i, k))
+        else:
+            shaped[k][name] = v
     for k, tensors in shaped.items():  # sharded like their parameters
         pieces += model_pieces(module, ctx, prefix=_key(i, k), tensors=tensors)
     return pieces
@@ -71,7 +88,12 @@ def split_checkpoint(checkpoint: dict, module: nn.Module, ctx, optimizers: Seque
     out = dict(checkpoint)
     sd = checkpoint.get("state_dict", {})
     tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    pieces = model_pieces(module, ctx, tensors=tensors)
+    from_mains = main_params.main_weight_names(module) if hasattr(main_params, "slots") else set()
+    pieces = model_pieces(module, ctx, tensors={k: v for k, v in tensors.items() if k not in from_mains})
+    if from_mains:  # fp32 main weights held in slices by the distributed optimizer: each rank writes its own
+        shapes = _param_shapes(module)
+        for slot in main_params.main_weight_slots():
+            pieces += range_pieces(module, ctx, slot.name, shapes[slot.name], slot.lo, slot.hi, slot.tensor.detach())
     out["state_dict"] = {k: v for k, v in sd.items() if k not in tensors}
     info = {"state_dict_keys": sorted(tensors), "optimizer_in_dcp": []}
     states = checkpoint.get("optimizer_states")
@@ -108,7 +130,9 @@ def fill_checkpoint(checkpoint: dict, dcp_dir: str, module: nn.Module, ctx,
     checkpoint = dict(checkpoint)
     tensors = {n: t.detach().clone().cpu() for n, t in module.state_dict().items()}
     if main_params is not None:  # checkpoints hold the fp32 main weights
-        tensors.update({n: t.detach().clone().cpu() for n, t in main_params.state_dict_overrides(module).items()})
+        templates = (main_params.load_templates(module) if hasattr(main_params, "load_templates")
+                     else main_params.state_dict_overrides(module))
+        tensors.update({n: t.detach().clone().cpu() for n, t in templates.items()})
     if same_layout and set(info["state_dict_keys"]) != set(tensors):
         saved = set(info["state_dict_keys"])
         raise ValueError(f"checkpoint and model differ in their tensors: only in the checkpoint "
@@ -133,10 +157,10 @@ def fill_checkpoint(checkpoint: dict, dcp_dir: str, module: nn.Module, ctx,
             state: dict[int, dict] = {}
             entries = []
             for idx, p in enumerate(_order(opt)):
-                name = names.get(id(p))
-                for k, md in by_name.get(name, {}).items():
+                info = names.get(id(p))
+                for k, md in by_name.get(info[0] if info else None, {}).items():
                     buf = torch.zeros(() if len(md.size) == 0 else tuple(p.shape), dtype=md.properties.dtype)
-                    entries.append((k, name, buf, p))
+                    entries.append((k, info, buf, p))
                     state.setdefault(idx, {})[k] = buf
             pieces += _state_pieces(module, ctx, i, entries)
             if same_layout:

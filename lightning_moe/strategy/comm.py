@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 has only the old one
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _size(group) -> int:
@@ -102,3 +103,15 @@ def all_gather_nograd(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> to
     out = x.new_empty((_size(group) * x.shape[0],) + tuple(x.shape[1:]))
     _all_gather_tensor(out, x.contiguous(), group=group)
     return out
+
+
+def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup):
+    """Async sum of the flat ``x`` over the group into this rank's equal slice ``out`` (may be that slice of ``x``:
+    in place on NCCL and gloo). Returns the work handle."""
+    return _reduce_scatter_tensor(out, x, group=group, async_op=True)
+
+
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup):
+    """Async gather of every rank's equal slice ``x`` into the flat ``out`` (``x`` may be this rank's slice of
+    ``out``). Returns the work handle."""
+    return _all_gather_tensor(out, x, group=group, async_op=True)

@@ -14,6 +14,10 @@ hooks), in a fixed order per group so that every rank issues the same collective
 With ``main_grads=True`` (bf16 parameters, Megatron's mixed precision) every parameter gets ``p.main_grad``, an fp32
 view into its bucket's flat buffer. Each micro-batch's low-precision gradient is accumulated there and ``p.grad`` is
 freed at once, so accumulation is in fp32 and the all-reduce runs in place on the flat buffer (no concatenation).
+
+With ``shard=True`` (the distributed optimizer, ``sharded_optimizer.py``) each bucket is laid out as in
+``flat_shards.py`` (aligned parameters, padded to split evenly over its group) and reduce-scattered in place instead:
+afterwards each rank holds the reduced gradient of its own slice ``bucket.owned`` only.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_moe.strategy.comm import reduce_scatter_flat
+from lightning_moe.strategy.flat_shards import bucket_layout, owned_slice
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 
@@ -52,6 +58,8 @@ class _Bucket:
     buffer: Optional[torch.Tensor] = None  # fp32 flat main grads (main_grads mode) or a per-step concatenation
     handle: Optional[object] = None
     had_grad: list[bool] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # each param's start in ``buffer`` (main_grads mode)
+    owned: tuple[int, int] = (0, 0)  # the slice of ``buffer`` this rank reduces and steps (all of it unless shard)
 
 
 @dataclass
@@ -62,8 +70,13 @@ class _GroupState:
 
 class GradSync:
     def __init__(self, params: Iterable[torch.nn.Parameter], ctx: ParallelContext, bucket_mb: float = 25.0,
-                 overlap: bool = True, main_grads: bool = False):
-        self.ctx, self.overlap, self.main_grads = ctx, overlap, main_grads
+                 overlap: bool = True, main_grads: bool = False, shard: bool = False,
+                 grad_dtype: Optional[torch.dtype] = torch.float32):
+        """``grad_dtype``: of the main-grad buffers (None: each bucket's parameter dtype, e.g. bf16 when the optimizer
+        steps bf16 weights). ``shard``: reduce-scatter (needs ``main_grads``)."""
+        if shard and not main_grads:
+            raise ValueError("GradSync(shard=True) needs main_grads=True (flat gradient buffers)")
+        self.ctx, self.overlap, self.main_grads, self.shard = ctx, overlap, main_grads, shard
         self.scale = 1.0 / (ctx.dp * ctx.cp)
         self.params = [p for p in params if p.requires_grad]
         self.groups: dict[str, _GroupState] = {}
@@ -84,9 +97,14 @@ class GradSync:
                 continue
             state = self.groups[name] = _GroupState()
             cur, size = [], 0
+            # one dtype per bucket where the buffers take the parameters' dtype (gradients or, sharded, parameters)
+            by_dtype = not main_grads or grad_dtype is None or shard
             for p in plist:
                 nbytes = p.numel() * (4 if main_grads else p.element_size())
-                if cur and (size + nbytes > limit or (not main_grads and p.dtype != cur[0].dtype)):
+                # sharded: a tied embedding gets a bucket of its own, laid out alike on the two stages it ties
+                alone = shard and getattr(p, "pp_tied", False)
+                if cur and (size + nbytes > limit or (by_dtype and p.dtype != cur[0].dtype) or alone
+                            or getattr(cur[0], "pp_tied", False) and shard):
                     state.buckets.append(_Bucket(cur, name, reduce))
                     cur, size = [], 0
                 cur.append(p)
@@ -95,16 +113,29 @@ class GradSync:
                 state.buckets.append(_Bucket(cur, name, reduce))
             for b in state.buckets:
                 if main_grads:
-                    b.buffer = torch.zeros(sum(p.numel() for p in b.params), dtype=torch.float32,
-                                           device=b.params[0].device)
-                    offset = 0
-                    for p in b.params:
-                        p.main_grad = b.buffer[offset:offset + p.numel()].view_as(p)
-                        offset += p.numel()
+                    self._make_buffer(b, grad_dtype)
                 for p in b.params:
                     self._bucket_of[id(p)] = b
                     if main_grads or overlap:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _make_buffer(self, b: _Bucket, grad_dtype: Optional[torch.dtype]) -> None:
+        numels = [p.numel() for p in b.params]
+        size = self.ctx.size(b.group_name) if self.shard and b.reduce else 1
+        if self.shard:
+            b.offsets, total = bucket_layout(numels, size)
+            b.owned = owned_slice(total, size, self.ctx.rank(b.group_name) if size > 1 else 0)
+        else:
+            b.offsets = [sum(numels[:i]) for i in range(len(numels))]
+            total = sum(numels)
+            b.owned = (0, total)
+        b.buffer = torch.zeros(total, dtype=grad_dtype or b.params[0].dtype, device=b.params[0].device)
+        for p, offset in zip(b.params, b.offsets):
+            p.main_grad = b.buffer[offset:offset + p.numel()].view_as(p)
+
+    def buckets(self) -> list[_Bucket]:
+        """Every bucket, per group in a fixed order (the same on every rank)."""
+        return [b for state in self.groups.values() for b in state.buckets]
 
     def discard(self) -> None:
         """Forget the main grads accumulated so far (the optimizer's ``zero_grad``): the next gradient overwrites."""
@@ -181,7 +212,10 @@ class GradSync:
             b.had_grad = [p.grad is not None for p in b.params]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
             b.buffer = torch.cat([g.reshape(-1) for g in grads])
-        if b.reduce:
+        if b.reduce and self.shard:  # in place: this rank's slice receives its reduced gradients
+            lo, hi = b.owned
+            b.handle = reduce_scatter_flat(b.buffer[lo:hi], b.buffer, self.ctx.group(b.group_name))
+        elif b.reduce:
             b.handle = dist.all_reduce(b.buffer, group=self.ctx.group(b.group_name), async_op=True)
 
     # ------------------------------------------------------------------ step-time
@@ -205,7 +239,7 @@ class GradSync:
                         offset += n
                     b.buffer = None
                 elif self.scale != 1.0:
-                    b.buffer.mul_(self.scale)
+                    b.buffer[b.owned[0]:b.owned[1]].mul_(self.scale)
                 b.handle = None
         if self.main_grads:
             self.had_main_grad, self._seen = self._seen, set()
@@ -227,6 +261,9 @@ class GradSync:
                 had = id(p) in self.had_main_grad
                 grad = p.main_grad if had else p.main_grad.zero_()
                 self.had_main_grad.add(id(p))
+                if self.shard:  # alone in its bucket, laid out alike on both stages: sum the owned slices
+                    b = self._bucket_of[id(p)]
+                    grad = b.buffer[b.owned[0]:b.owned[1]]
             else:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -39,7 +39,10 @@ from lightning_moe.strategy.cuda_graphs import capture_blocks, release_blocks, u
 from lightning_moe.strategy.reshard import load_pieces, save_pieces
 from lightning_moe.strategy.grad_sync import GradSync, clip_grad_norm_global_, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
-from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
+from lightning_moe.strategy.main_params import MainParams
+from lightning_moe.strategy.optimizer_options import OptimizerOptions
+from lightning_moe.strategy.optimizer_setup import setup_optimizer_state
+from lightning_moe.strategy.sharded_optimizer import ShardedOptimizer
 from lightning_moe.strategy.parallel_context import ParallelContext
 from lightning_moe.strategy.pipeline.engine import PipelineEngine
 from lightning_moe.strategy.pipeline.schedules import check_schedule, simulate
@@ -80,6 +83,20 @@ class MoEFoldStrategy(ParallelStrategy):
             (``precision="bf16-true"``, not autocast), and a layout without collectives inside the blocks
             (tp = cp = ep = etp = 1, no pipeline schedule). Data parallelism is allowed (its all-reduce runs in
             hooks outside the graphs) but so far was tested on one GPU only.
+        distributed_optimizer: Megatron's distributed optimizer (ZeRO-1, ``strategy/sharded_optimizer.py``): gradient
+            buckets are reduce-scattered (dense over dp x cp, experts over edp), each rank keeps and steps only its
+            slice of the main params and optimizer state, and the new weights are all-gathered bucket by bucket.
+            Needs an elementwise optimizer (SGD, Adam, AdamW, ...).
+        overlap_param_gather: with the distributed optimizer, each bucket's weight all-gather overlaps the next
+            forward (a module waits only for its own weights' buckets); False waits for all right after the step.
+        main_params_dtype: ``"fp32"`` or ``"bf16"``, the dtype the optimizer steps bf16 weights in (the precision-aware
+            optimizer's name for ``fp32_main_params``; give one of the two).
+        exp_avg_dtype, exp_avg_sq_dtype: ``"fp32"`` or ``"bf16"``: the dtype Adam's first and second moments are
+            stored in (Megatron's precision-aware optimizer; computed in the main params' dtype, one bucket at a
+            time). Default: the main params' dtype.
+        optimizer_cpu_offload: the fraction (0..1) of each rank's optimizer slice (main params and state) kept on the
+            host and stepped there by torch's fused CPU kernel (Megatron's ``--optimizer-cpu-offload`` with
+            ``--optimizer-offload-fraction``). Gradients go to the host and new weights back on side streams.
     """
 
     strategy_name = "moe_fold"
@@ -92,7 +109,10 @@ class MoEFoldStrategy(ParallelStrategy):
                  pipeline_last_stage_layers: Optional[int] = None, bucket_size_mb: float = 25.0,
                  overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None,
                  timeout: Union[float, timedelta] = 1800.0,
-                 process_group_backend: Optional[str] = None, cuda_graphs: bool = False, accelerator=None,
+                 process_group_backend: Optional[str] = None, cuda_graphs: bool = False,
+                 distributed_optimizer: bool = False, overlap_param_gather: bool = True,
+                 main_params_dtype: Optional[str] = None, exp_avg_dtype: Optional[str] = None,
+                 exp_avg_sq_dtype: Optional[str] = None, optimizer_cpu_offload: float = 0.0, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -144,8 +164,12 @@ class MoEFoldStrategy(ParallelStrategy):
         # Megatron's recommendation: with TP, shard norms/residuals over the sequence too (less memory and compute)
         self.sequence_parallel = bool(sequence_parallel) if sequence_parallel is not None else self.tp > 1
         self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
-        self.fp32_main_params = fp32_main_params
+        self.optimizer_options = OptimizerOptions.parse(distributed_optimizer, overlap_param_gather, fp32_main_params,
+                                                        main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype,
+                                                        optimizer_cpu_offload)
+        self.fp32_main_params = self.optimizer_options.main_params_fp32
         self._main_params: Optional[MainParams] = None
+        self._sharded: Optional[ShardedOptimizer] = None
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
@@ -225,14 +249,11 @@ class MoEFoldStrategy(ParallelStrategy):
         self._broadcast_parameters()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            use_main = self.fp32_main_params
-            if use_main is None:
-                use_main = has_low_precision_params(self.optimizers)
-            # main params replace the optimizer's params by fp32 copies: before the optimizer has any state
-            self._main_params = MainParams(self.optimizers) if use_main else None
-            self._grad_sync = GradSync(self.model.parameters(), self.parallel_context, self.bucket_size_mb,
-                                       self.overlap_grad_sync, main_grads=use_main)
-            if use_main or self.pp > 1 or self.num_microbatches > 1:
+            # main params / optimizer slices replace the optimizer's params: before the optimizer has any state
+            self._grad_sync, self._main_params, self._sharded = setup_optimizer_state(
+                self.lightning_module, self.optimizers, self.parallel_context, self.optimizer_options,
+                self.root_device, self.bucket_size_mb, self.overlap_grad_sync)
+            if self._grad_sync.main_grads or self.pp > 1 or self.num_microbatches > 1:
                 # zero_grad must also drop the fp32 main grads accumulated so far; pipeline schedules zero before
                 # their backwards and skip Lightning's zero_grad, which comes after training_step
                 for opt in self.optimizers:
@@ -244,6 +265,9 @@ class MoEFoldStrategy(ParallelStrategy):
             self._check_cuda_graphs()
         # global-norm clipping: every parameter counted once across the EP/ETP and DP groups
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        if self._sharded is not None:  # the optimizer's tensors are slices: clip the reduced gradient buffers
+            self.precision_plugin.clip_grad_by_value = lambda optimizer, clip_val: self._sharded.clip_grad_value_(
+                float(clip_val))
         if getattr(self.precision_plugin, "scaler", "absent") is None:
             # bf16 autocast has no grad scaler, so Lightning's refusal to clip with fused optimizers (which unscale
             # fp16 grads internally) does not apply: clip with the base implementation
@@ -289,8 +313,14 @@ class MoEFoldStrategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():
             # fp32 main grads: GradSync's hook consumes each gradient at once, so the graphs' static gradient
             # buffers can go to autograd as they are; otherwise param.grad accumulates and must get a copy
-            handles = capture_blocks(blocks, x_shape, dtype, positions_S, copy_param_grads=self._main_params is None)
+            handles = capture_blocks(blocks, x_shape, dtype, positions_S,
+                                     copy_param_grads=not self._grad_sync.main_grads)
         self._graphs = (blocks, handles)
+
+    @property
+    def sharded_optimizer(self) -> Optional[ShardedOptimizer]:
+        """The distributed / precision-aware / offloaded optimizer driving the user's optimizer (None when off)."""
+        return self._sharded
 
     def pipeline_timing(self) -> dict:
         """The last pipeline schedule on this rank: ``wall_s``, ``busy_s``, the measured ``bubble_fraction``
@@ -311,6 +341,8 @@ class MoEFoldStrategy(ParallelStrategy):
         # must not be overwritten by stale main copies at the first step
         if self._main_params is not None:
             self._main_params.sync_from_model()
+        if self._sharded is not None:
+            self._sharded.sync_from_model()
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -329,6 +361,8 @@ class MoEFoldStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ the training step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
+            if self.cuda_graphs and self._sharded is not None:
+                self._sharded.wait_all()  # the blocks' forward pre-hooks do not run inside graph replays
             if self.cuda_graphs and self._graphs is None:
                 self._capture_cuda_graphs(_batch_args(args, kwargs)[0])
             return super().training_step(*args, **kwargs)
@@ -391,7 +425,9 @@ class MoEFoldStrategy(ParallelStrategy):
             out = closure()
             if grad_sync is not None:
                 grad_sync.finish()
-                if self._main_params is not None:
+                if self._sharded is not None:
+                    self._sharded.attach_grads()
+                elif self._main_params is not None:
                     self._main_params.attach_grads(grad_sync.had_main_grad)
             return out
 
@@ -401,6 +437,9 @@ class MoEFoldStrategy(ParallelStrategy):
         return out
 
     def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
+        if self._sharded is not None:
+            self._sharded.clip_grad_norm_(float(clip_val))
+            return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm_global_(params, float(clip_val), self.parallel_context)
 
@@ -410,6 +449,8 @@ class MoEFoldStrategy(ParallelStrategy):
         return True  # load into the model after it is on its device and replicas were broadcast
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._sharded is not None:  # the weights in flight to the next forward; the fp32 mains are saved as slices
+            self._sharded.wait_all()
         state = super().lightning_module_state_dict()
         if self._main_params is not None:  # the fp32 main weights, not their bf16 rounding
             state.update(self._main_params.state_dict_overrides(self.lightning_module))
@@ -419,10 +460,17 @@ class MoEFoldStrategy(ParallelStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
         if self._main_params is not None:
             self._main_params.load_from_state_dict(self.lightning_module, checkpoint["state_dict"])
+        if self._sharded is not None:
+            self._sharded.load_from_state_dict(self.lightning_module, checkpoint["state_dict"])
 
     def _layout_dict(self) -> dict:
         lay = self.layout
-        return {k: getattr(lay, k) for k in ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "vpp")}
+        out = {k: getattr(lay, k) for k in ("tp", "cp", "dp", "pp", "etp", "ep", "edp", "vpp")}
+        if self._sharded is not None:  # how the optimizer's tensors are sliced (their order in the shard files)
+            o = self.optimizer_options
+            out["optimizer_slices"] = {"distributed": o.distributed, "cpu_offload": o.cpu_offload,
+                                       "bucket_size_mb": self.bucket_size_mb}
+        return out
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
         """Every rank writes its own blocks of every model and optimizer tensor (DCP, global shapes) and a small shard
@@ -432,7 +480,7 @@ class MoEFoldStrategy(ParallelStrategy):
         path = self.broadcast(str(filepath))
         # the checkpoint's state_dict holds the fp32 main weights when in use (lightning_module_state_dict)
         pieces, rest = split_checkpoint(checkpoint, self.lightning_module, self.parallel_context, self.optimizers,
-                                        self._main_params)
+                                        self._sharded or self._main_params)
         save_sharded(rest, path, self.global_rank, self.world_size, self._layout_dict(), self.barrier,
                      write_tensors=lambda directory: save_pieces(pieces, str(directory)))
 
@@ -442,7 +490,8 @@ class MoEFoldStrategy(ParallelStrategy):
 
         def fill(checkpoint, directory, same_layout) -> dict:
             checkpoint, ok = fill_checkpoint(checkpoint, str(directory), self.lightning_module, self.parallel_context,
-                                             self.optimizers, self._main_params, same_layout, load_pieces)
+                                             self.optimizers, self._sharded or self._main_params, same_layout,
+                                             load_pieces)
             restored.append(ok)
             return checkpoint
 
@@ -464,6 +513,8 @@ class MoEFoldStrategy(ParallelStrategy):
         if checkpoint.get("optimizer_states", ()) is None:  # resharded: keep the fresh optimizer state
             return
         super().load_optimizer_state_dict(checkpoint)
+        if self._sharded is not None:  # torch casts state to the stepped dtype, Lightning moves it to the GPU
+            self._sharded.after_state_load()
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
@@ -514,6 +565,9 @@ class MoEFoldStrategy(ParallelStrategy):
         if self._graphs is not None:
             release_blocks(*self._graphs)
             self._graphs = None
+        if self._sharded is not None:
+            self._sharded.to(torch.device("cpu"))
+            self._sharded.release()
         if self._grad_sync is not None:
             self._grad_sync.release()
             self._grad_sync = None

@@ -12,6 +12,7 @@ Only tensors are stored: loading unpickles nothing.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType, LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from lightning_moe.strategy.flat_shards import flat_boxes, intersect, unravel
 
 
 @dataclasses.dataclass
@@ -78,6 +81,30 @@ def model_pieces(model: nn.Module, ctx, prefix: str = "", tensors: Optional[dict
     return pieces
 
 
+def range_pieces(model: nn.Module, ctx, name: str, shape, lo: int, hi: int, data: torch.Tensor,
+                 prefix: str = "") -> list[Piece]:
+    """The logical blocks of elements ``[lo, hi)`` (flat, C order) of this rank's tensor ``name`` (local ``shape``),
+    whose values are the 1-D ``data``: a distributed-optimizer slice. The slice splits into rectangular blocks
+    (``flat_boxes``), each cut by the blocks the tensor maps to in the logical tensor (``model_pieces``)."""
+    template = torch.empty(tuple(shape), device="meta")
+    blocks = [(b, unravel(b.local.storage_offset(), shape), tuple(b.local.shape))
+              for b in model_pieces(model, ctx, prefix=prefix, tensors={name: template})]
+    out = []
+    for off, size, start in flat_boxes(shape, lo, hi):
+        box = data[start - lo:start - lo + math.prod(size)].view(size)
+        for b, b_off, b_size in blocks:
+            cut = intersect(off, size, b_off, b_size)
+            if cut is None:
+                continue
+            c_off, c_size = cut
+            view = box
+            for d, (o, n) in enumerate(zip(c_off, c_size)):
+                view = view.narrow(d, o - off[d], n)
+            out.append(Piece(b.key, b.global_shape, tuple(g + o - bo for g, o, bo in zip(b.offsets, c_off, b_off)),
+                             view))
+    return out
+
+
 class _SavePlanner(DefaultSavePlanner):
     def __init__(self, pieces: list[Piece]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
@@ -105,7 +132,13 @@ class _SavePlanner(DefaultSavePlanner):
 class _LoadPlanner(DefaultLoadPlanner):
     def __init__(self, pieces: list[Piece]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = {(p.key, tuple(p.offsets)): p for p in pieces}
+        self.pieces, self.copies = {}, {}  # one read per block; further pieces of the same block get copies
+        for p in pieces:
+            key = (p.key, tuple(p.offsets))
+            if key in self.pieces:  # e.g. the step count of two optimizer slices of one parameter
+                self.copies.setdefault(key, []).append(p)
+            else:
+                self.pieces[key] = p
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
@@ -132,7 +165,12 @@ class _LoadPlanner(DefaultLoadPlanner):
         return view
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        pass  # resolve_tensor returned a view of the live tensor: the reader copied into it in place
+        # resolve_tensor returned a view of the live tensor: the reader copied into it in place
+        for p in self.copies.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset)), ()):
+            view = p.local
+            for d, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                view = view.narrow(d, start, length)
+            view.copy_(tensor)
 
 
 def save_pieces(pieces: list[Piece], path: str, process_group: Optional[object] = None) -> None:

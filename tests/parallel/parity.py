@@ -86,9 +86,20 @@ class Recorder(L.Callback):
             self._acc = 0.0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.grads is None:  # with fp32 main params the synced gradient is p.main_grad (p.grad is freed)
+        sharded = getattr(trainer.strategy, "sharded_optimizer", None)
+        if self.grads is None and sharded is not None:  # each rank holds its slice: gathered (collective)
+            full = sharded.full_grads()
+            self.grads = {n: full[id(p)] for n, p in pl_module.model.named_parameters()}
+        elif self.grads is None:  # with fp32 main params the synced gradient is p.main_grad (p.grad is freed)
             self.grads = {n: (p.grad if p.grad is not None else p.main_grad).detach().clone()
                           for n, p in pl_module.model.named_parameters()}
+
+    def on_train_end(self, trainer, pl_module):
+        sharded = getattr(trainer.strategy, "sharded_optimizer", None)
+        self.mains = None
+        if sharded is not None:  # the main weights, gathered over their owners (collective)
+            full = sharded.full_main_params()
+            self.mains = {n: full[id(p)].detach().cpu() for n, p in pl_module.model.named_parameters()}
 
 
 def model_kwargs(case: Case) -> dict:
@@ -138,6 +149,8 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     if main is not None:  # compare the fp32 main weights, not their bf16 rounding
         for n, p in model.model.named_parameters():
             state[n] = main.main_of(p).detach().cpu().clone()
+    if getattr(rec, "mains", None) is not None:
+        state.update(rec.mains)
     grads = {n: g.cpu() for n, g in rec.grads.items()}
     specs = {n: (getattr(p, "tp_shard_dim", None), getattr(p, "tp_parts", 1))
              for n, p in model.model.named_parameters()}

@@ -33,8 +33,11 @@ def _fit(world, tokens, root, steps, strategy_kw, ckpt=None, save=False, batch=4
     callbacks = [losses]
     if save:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1))
-    strategy = MoEFoldStrategy(timeout=60, **strategy_kw) if strategy_kw is not None else "auto"
+    kw = dict(strategy_kw or {})
+    precision = kw.pop("precision", "32-true")  # a Trainer argument, carried in the case's dict
+    strategy = MoEFoldStrategy(timeout=60, **kw) if strategy_kw is not None else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                        precision=precision,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         callbacks=callbacks, enable_checkpointing=save, default_root_dir=root,
                         accumulate_grad_batches=2, gradient_clip_val=0.5)
@@ -52,8 +55,14 @@ def _resume(rank, world, tokens, root, strategy_kw):
 
 
 @pytest.mark.parametrize("world,strategy_kw", [(1, None), (2, dict(expert_parallel_size=2)),
-                                               (2, dict(pipeline_parallel_size=2, num_microbatches=2))],
-                         ids=["one_process", "moe_fold_ep2", "moe_fold_pp2"])
+                                               (2, dict(pipeline_parallel_size=2, num_microbatches=2)),
+                                               (2, dict(expert_parallel_size=2, distributed_optimizer=True,
+                                                        optimizer_cpu_offload=0.5, exp_avg_sq_dtype="bf16")),
+                                               # bf16 weights: the fp32 main weights are saved from their slices
+                                               (2, dict(expert_parallel_size=2, distributed_optimizer=True,
+                                                        optimizer_cpu_offload=0.5, precision="bf16-true"))],
+                         ids=["one_process", "moe_fold_ep2", "moe_fold_pp2", "moe_fold_ep2_dist_offload_bf16",
+                              "moe_fold_ep2_dist_offload_bf16_weights"])
 def test_resume_is_exact(tmp_path, world, strategy_kw):
     tokens = make_tokens(str(tmp_path / "tokens.bin"))
     for full, resumed in run_ranks(_resume, world, tokens, str(tmp_path), strategy_kw, out_dir=str(tmp_path / "o")):
@@ -74,14 +83,20 @@ def _reshard_resume(rank, world, tokens, root, source, source_batch, target, tar
 
 EP2, TP2_EP2 = dict(expert_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)
 PP2 = dict(pipeline_parallel_size=2, num_microbatches=2)
+DIST = dict(distributed_optimizer=True)
 
 
 # The same global batch: 4 samples per DP rank under EP2 folded over DP2, 8 under TP2 x EP2 and PP2 (DP1). PP2's
 # first 3 steps differ from EP2's by float32 rounding that Adam (eps 1e-8) turns into ~lr moves of weights with
 # near-zero gradients (see test_pp_parity.py): 2e-4 in the resumed losses. Restarted moments differ by 2e-2.
-@pytest.mark.parametrize("source,source_batch,target,target_batch,rel", [(EP2, 4, TP2_EP2, 8, 1e-5),
-                                                                         (PP2, 8, EP2, 4, 1e-3)],
-                         ids=["ep2_to_tp2_ep2", "pp2_to_ep2"])
+# The distributed optimizer writes its slices of the moments and step counts as blocks of the logical tensors: the
+# checkpoint loads without it, onto another layout, and back (offloaded slices too).
+@pytest.mark.parametrize("source,source_batch,target,target_batch,rel", [
+    (EP2, 4, TP2_EP2, 8, 1e-5), (PP2, 8, EP2, 4, 1e-3),
+    ({**EP2, **DIST}, 4, TP2_EP2, 8, 1e-5), (TP2_EP2, 8, {**EP2, **DIST, "optimizer_cpu_offload": 0.5}, 4, 1e-5),
+    ({**EP2, **DIST, "optimizer_cpu_offload": 0.5}, 4, {**PP2, **DIST}, 8, 1e-3)],
+    ids=["ep2_to_tp2_ep2", "pp2_to_ep2", "ep2_dist_to_tp2_ep2", "tp2_ep2_to_ep2_dist_offload",
+         "ep2_dist_offload_to_pp2_dist"])
 def test_resume_onto_another_layout(tmp_path, source, source_batch, target, target_batch, rel):
     """Weights, Adam's moments and step counts are resharded, and the step count, LR schedule and data position carry
     over: every resumed loss is the target layout's uninterrupted one (the two layouts differ only in float32

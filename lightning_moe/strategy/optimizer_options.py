@@ -1,0 +1,104 @@
+"""MoEFoldStrategy's optimizer options (distributed optimizer, precision-aware state, CPU offload): parsing and the
+checks that refuse what cannot work, each naming the option. Pure: no process groups, no devices."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+# torch optimizers whose update of each element depends on that element alone (and on scalars): stepping flat slices
+# of the parameters gives the same result as stepping whole tensors
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad",
+                                                      "Adadelta", "RMSprop", "Rprop", "ASGD") if hasattr(torch.optim, n))
+# the state keys that exp_avg_dtype / exp_avg_sq_dtype set, and the optimizers that keep them
+STATE_KEYS = {"exp_avg_dtype": ("exp_avg",), "exp_avg_sq_dtype": ("exp_avg_sq", "max_exp_avg_sq")}
+HAS_KEYS = {"exp_avg_dtype": tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam")),
+            "exp_avg_sq_dtype": tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "NAdam", "RAdam"))}
+# torch has fused CPU kernels for these (the host part of an offloaded optimizer steps with them)
+CPU_FUSED = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD", "Adagrad"))
+
+
+def parse_dtype(option: str, value: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in DTYPES:
+        return DTYPES[value.lower()]
+    raise ValueError(f"MoEFoldStrategy({option}={value!r}): unknown dtype; use one of 'fp32', 'bf16'")
+
+
+def parse_fraction(option: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"MoEFoldStrategy({option}={value!r}): must be a fraction of the optimizer state in [0, 1]")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    distributed: bool = False
+    overlap_param_gather: bool = True
+    main_params_fp32: Optional[bool] = None  # None: fp32 main params whenever the optimizer holds bf16/fp16 weights
+    exp_avg_dtype: Optional[torch.dtype] = None  # None: the dtype the optimizer steps (the main params')
+    exp_avg_sq_dtype: Optional[torch.dtype] = None
+    cpu_offload: float = 0.0
+
+    @classmethod
+    def parse(cls, distributed_optimizer, overlap_param_gather, fp32_main_params, main_params_dtype, exp_avg_dtype,
+              exp_avg_sq_dtype, optimizer_cpu_offload) -> "OptimizerOptions":
+        for name, v in (("distributed_optimizer", distributed_optimizer),
+                        ("overlap_param_gather", overlap_param_gather)):
+            if not isinstance(v, bool):
+                raise ValueError(f"MoEFoldStrategy({name}={v!r}): must be True or False")
+        main = parse_dtype("main_params_dtype", main_params_dtype)
+        if main is not None:
+            want = main == torch.float32
+            if fp32_main_params is not None and bool(fp32_main_params) != want:
+                raise ValueError(f"MoEFoldStrategy(main_params_dtype={main_params_dtype!r}) contradicts "
+                                 f"fp32_main_params={fp32_main_params!r}; give one of them")
+            fp32_main_params = want
+        avg, avg_sq = parse_dtype("exp_avg_dtype", exp_avg_dtype), parse_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
+        if fp32_main_params is False:
+            for name, d in (("exp_avg_dtype", avg), ("exp_avg_sq_dtype", avg_sq)):
+                if d == torch.float32:
+                    raise ValueError(f"MoEFoldStrategy({name}='fp32') needs fp32 main params: with bf16 main params "
+                                     "(fp32_main_params=False or main_params_dtype='bf16') the optimizer steps in bf16")
+        return cls(distributed_optimizer, overlap_param_gather, fp32_main_params, avg, avg_sq,
+                   parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer steps flat slices (the distributed optimizer, or the precision-aware or offloaded
+        state, which use the same machinery over whole buckets without it)."""
+        return (self.distributed or self.cpu_offload > 0 or self.exp_avg_dtype is not None
+                or self.exp_avg_sq_dtype is not None)
+
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        """State key -> the dtype it is stored in (keys absent: the dtype the optimizer steps)."""
+        out = {}
+        for option, keys in STATE_KEYS.items():
+            d = getattr(self, option)
+            if d is not None:
+                out.update({k: d for k in keys})
+        return out
+
+    def check_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer these options cannot drive, naming the option."""
+        cls = type(opt)
+        if self.sharded and not (isinstance(opt, ELEMENTWISE) or getattr(opt, "elementwise_step", False)):
+            what = ("distributed_optimizer=True" if self.distributed else
+                    f"optimizer_cpu_offload={self.cpu_offload}" if self.cpu_offload else "exp_avg_dtype/exp_avg_sq_dtype")
+            raise ValueError(f"MoEFoldStrategy({what}) steps flat slices of the parameters, which needs an optimizer that "
+                             f"updates each element on its own (torch.optim SGD, Adam, AdamW, ...); {cls.__name__} is "
+                             "not known to be one (e.g. factored or matrix-wise updates need whole tensors). If it is, "
+                             "set its attribute elementwise_step = True.")
+        for option, classes in HAS_KEYS.items():
+            if getattr(self, option) is not None and not isinstance(opt, classes):
+                raise ValueError(f"MoEFoldStrategy({option}=...) sets the dtype of the optimizer state "
+                                 f"{'/'.join(STATE_KEYS[option])}, which {cls.__name__} does not keep (Adam-style "
+                                 "optimizers do)")

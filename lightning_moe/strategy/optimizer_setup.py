@@ -1,0 +1,48 @@
+"""What MoEFoldStrategy builds around the user's optimizer at setup: the gradient sync, and either fp32 main params
+(``main_params.py``) or the sharded optimizer (``sharded_optimizer.py``: distributed optimizer, precision-aware
+state, CPU offload)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_moe.strategy.grad_sync import GradSync
+from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
+from lightning_moe.strategy.optimizer_options import OptimizerOptions
+from lightning_moe.strategy.sharded_optimizer import ShardedOptimizer
+
+
+def _check_pinned_memory(device: torch.device, fraction: float) -> None:
+    if device.type != "cuda":
+        return  # the state is in host memory already; the offloaded part still steps on its own, as on a GPU
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"MoEFoldStrategy(optimizer_cpu_offload={fraction}) needs pinned host memory for the "
+                           f"gradient and weight copies, which this machine cannot allocate: {e}") from e
+
+
+def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: OptimizerOptions,
+                          device: torch.device, bucket_mb: float, overlap: bool
+                          ) -> tuple[GradSync, Optional[MainParams], Optional[ShardedOptimizer]]:
+    """Before the optimizer has any state: ``(gradient sync, main params or None, sharded optimizer or None)``."""
+    low = has_low_precision_params(optimizers)
+    use_main = options.main_params_fp32 if options.main_params_fp32 is not None else low
+    if options.main_params_fp32 is False and not low:
+        raise ValueError("MoEFoldStrategy(main_params_dtype='bf16' / fp32_main_params=False) only applies to bf16 "
+                         "or fp16 weights (precision='bf16-true'); this model's optimized weights are fp32")
+    if not options.sharded:
+        main = MainParams(optimizers) if use_main else None
+        return GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main), main, None
+    if len(optimizers) != 1:
+        raise ValueError(f"MoEFoldStrategy's distributed / precision-aware / offloaded optimizer drives one optimizer, "
+                         f"got {len(optimizers)}")
+    if options.cpu_offload > 0:
+        _check_pinned_memory(device, options.cpu_offload)
+    # flat gradient buffers in the dtype the optimizer steps: fp32 with main params, else the weights' own
+    sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=True, shard=options.distributed,
+                    grad_dtype=torch.float32 if use_main else None)
+    return sync, None, ShardedOptimizer(module, optimizers[0], sync, ctx, options, bool(use_main), device)
