@@ -125,6 +125,52 @@ class ProfileSteps(L.Callback):
                 self.breakdown["idle_gaps"] = profiler_gaps(self.prof)
 
 
+class OptimizerTimer(L.Callback):
+    """The optimizer's share of each step: CUDA events at ``on_before_optimizer_step`` (after the last backward and
+    the gradient sync) and after the step; a host wait on the CPU (offloaded slices) shows as GPU-timeline time.
+    ``static_bytes``: memory allocated after the last step (weights, gradient buffers, optimizer state)."""
+
+    def __init__(self, device: torch.device, warmup_steps: int, max_steps: int):
+        self.device, self.warmup_steps, self.max_steps = device, warmup_steps, max_steps
+        self.spans, self._start, self.static_bytes = [], None, None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._start = stamp(self.device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._start is None:
+            return
+        if self.warmup_steps <= trainer.global_step <= self.max_steps:
+            self.spans.append((self._start, stamp(self.device)))
+        self._start = None
+        if self.device.type == "cuda" and trainer.global_step <= self.max_steps:
+            self.static_bytes = torch.cuda.memory_allocated(self.device)
+
+    def summary(self) -> dict:
+        sync(self.device)
+        ms = [elapsed_ms(a, b) for a, b in self.spans]
+        return {"optimizer_step_ms_median": statistics.median(ms) if ms else None,
+                "static_mem_gib": self.static_bytes / 2**30 if self.static_bytes is not None else None}
+
+
+def optimizer_memory(model, strategy) -> dict:
+    """Predicted bytes of weights, gradients and optimizer state on this GPU (``lightning_moe.strategy.memory``)."""
+    from lightning_moe.strategy.memory import optimizer_bytes_per_param
+    o, ctx = strategy.optimizer_options, strategy.parallel_context
+    kw = dict(fp32_main_params=o.main_params_fp32, exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype,
+              distributed_optimizer=o.distributed, optimizer_cpu_offload=o.cpu_offload)
+    device = host = 0.0
+    params = list(model.parameters())
+    for p in params:
+        shard = ctx.size("edp") if getattr(p, "is_expert", False) else ctx.size("dp_cp")
+        b = optimizer_bytes_per_param(weight_bytes=p.element_size(), shard=shard, **kw)
+        device += b["device"] * p.numel()
+        host += b["host"] * p.numel()
+    n = sum(p.numel() for p in params)
+    return {"predicted_static_gib": device / 2**30, "predicted_host_gib": host / 2**30,
+            "device_bytes_per_param": device / n, "host_bytes_per_param": host / n}
+
+
 class StepTimer(L.Callback):
     """A stamp after every optimizer step (CUDA events: no sync); host clock synced at the window's two ends."""
 
@@ -165,6 +211,13 @@ class StepTimer(L.Callback):
 def strategy_kwargs(args) -> dict:
     kw = dict(expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp, tensor_parallel_size=args.tp,
               context_parallel_size=args.cp)
+    if args.distributed_optimizer:
+        kw["distributed_optimizer"] = True
+    if args.offload:
+        kw["optimizer_cpu_offload"] = args.offload
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype"):
+        if getattr(args, name):
+            kw[name] = getattr(args, name)
     if args.sp is not None:
         kw["sequence_parallel"] = bool(args.sp)
     if args.cuda_graphs:
@@ -226,12 +279,13 @@ def run_one(args, preset: str) -> dict:
         model = MoELanguageModel(config=cfg, lr=args.lr, warmup_steps=min(10, steps), max_steps=steps,
                                  log_expert_load=False, seed=args.seed)
         timer = StepTimer(device, warmup, steps)
+        opt_timer = OptimizerTimer(device, warmup, steps)
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
                             strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
                             max_steps=steps + (2 if args.profile else 0),  # profiled after the timed window
                             accumulate_grad_batches=args.accumulate,
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, opt_timer],
                             default_root_dir=tmp)
         if args.compile:
             log("--compile is a placeholder: the model runs eagerly")
@@ -241,7 +295,7 @@ def run_one(args, preset: str) -> dict:
         trainer.callbacks.extend(prof_cb)
         with stdout_to_stderr():
             trainer.fit(model, datamodule=data)
-        rec = timer.summary()
+        rec = {**timer.summary(), **opt_timer.summary(), **optimizer_memory(model, trainer.strategy)}
         pipe = timer.pipeline  # the last timed step's schedule on each pipeline rank
         if pipe:
             import torch.distributed as dist
@@ -275,7 +329,8 @@ def run_one(args, preset: str) -> dict:
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts,
            "topk": cfg.topk, "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size, "seq_length": seq,
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
-           "dispatcher": cfg.dispatcher, "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None,
+           "dispatcher": cfg.dispatcher, "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
+               getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
            "compile": False, "devices": args.devices,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,
@@ -300,11 +355,15 @@ def run_in_subprocess(args, preset: str) -> dict:
                             ("--pp", args.pp), ("--vpp", args.vpp), ("--microbatches", args.microbatches),
                             ("--schedule", args.schedule),
                             ("--precision", args.precision), ("--dispatcher", args.dispatcher),
-                            ("--experts", args.experts), ("--first-k-dense", args.first_k_dense)):
+                            ("--experts", args.experts), ("--first-k-dense", args.first_k_dense),
+                            ("--offload", args.offload), ("--exp-avg-dtype", args.exp_avg_dtype),
+                            ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype),
+                            ("--main-params-dtype", args.main_params_dtype)):
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--compile"] if args.compile else []
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
+        cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--smoke"] if args.smoke else []
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
         if proc.returncode != 0 or not os.path.isfile(out):
@@ -337,6 +396,11 @@ def main(argv=None) -> dict:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="MoEFoldStrategy(cuda_graphs=True): each block's forward and backward as CUDA graphs")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
+    p.add_argument("--distributed-optimizer", action="store_true", help="MoEFoldStrategy(distributed_optimizer=True)")
+    p.add_argument("--offload", type=float, default=None, help="MoEFoldStrategy(optimizer_cpu_offload=F)")
+    p.add_argument("--exp-avg-dtype", default=None, help="MoEFoldStrategy(exp_avg_dtype=...): fp32 or bf16")
+    p.add_argument("--exp-avg-sq-dtype", default=None, help="MoEFoldStrategy(exp_avg_sq_dtype=...): fp32 or bf16")
+    p.add_argument("--main-params-dtype", default=None, help="MoEFoldStrategy(main_params_dtype=...): fp32 or bf16")
     p.add_argument("--devices", type=int, default=1, help="GPUs (data-parallel ranks; Lightning launches them)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, folded over the data-parallel ranks")
     p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel size")

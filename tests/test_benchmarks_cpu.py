@@ -95,6 +95,20 @@ def test_bench_model_smoke(model_result):
         assert check["local_formula"] == pytest.approx(check["package"])
 
 
+def test_bench_model_optimizer_options_smoke():
+    """The distributed optimizer with half the state offloaded and bf16 first moments: the run reports the optimizer's
+    share of the step and the predicted bytes per parameter (one process, fp32 weights: 4 weight + 4 grad + half of
+    the 2 + 4 bytes of moments on the device; the other half, the weight copy and the gradient copy of that half on
+    the host)."""
+    res = _run("bench_model.py", "--distributed-optimizer", "--offload", "0.5", "--exp-avg-dtype", "bf16")
+    (r,) = res["records"]
+    assert "error" not in r, r
+    assert "distributed_optimizer=True" in r["strategy"] and "optimizer_cpu_offload=0.5" in r["strategy"]
+    assert _positive(r["optimizer_step_ms_median"]) and r["losses_finite"] is True
+    assert r["device_bytes_per_param"] == pytest.approx(4 + 4 + 6 / 2)
+    assert r["host_bytes_per_param"] == pytest.approx((4 + 6 + 4) / 2)
+
+
 def test_kernel_breakdown_splits_compute_comm_idle(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     from common import kernel_breakdown, kernel_kind

@@ -47,6 +47,7 @@ class OptimizerOptions:
     exp_avg_dtype: Optional[torch.dtype] = None  # None: the dtype the optimizer steps (the main params')
     exp_avg_sq_dtype: Optional[torch.dtype] = None
     cpu_offload: float = 0.0
+    bf16_main_params_asked: bool = False  # main_params_dtype='bf16' given (refused for fp32 weights: it would do nothing)
 
     @classmethod
     def parse(cls, distributed_optimizer, overlap_param_gather, fp32_main_params, main_params_dtype, exp_avg_dtype,
@@ -69,7 +70,7 @@ class OptimizerOptions:
                     raise ValueError(f"MoEFoldStrategy({name}='fp32') needs fp32 main params: with bf16 main params "
                                      "(fp32_main_params=False or main_params_dtype='bf16') the optimizer steps in bf16")
         return cls(distributed_optimizer, overlap_param_gather, fp32_main_params, avg, avg_sq,
-                   parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload))
+                   parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload), main == torch.bfloat16)
 
     @property
     def sharded(self) -> bool:

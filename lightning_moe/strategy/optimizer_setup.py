@@ -31,9 +31,9 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
     """Before the optimizer has any state: ``(gradient sync, main params or None, sharded optimizer or None)``."""
     low = has_low_precision_params(optimizers)
     use_main = options.main_params_fp32 if options.main_params_fp32 is not None else low
-    if options.main_params_fp32 is False and not low:
-        raise ValueError("MoEFoldStrategy(main_params_dtype='bf16' / fp32_main_params=False) only applies to bf16 "
-                         "or fp16 weights (precision='bf16-true'); this model's optimized weights are fp32")
+    if options.bf16_main_params_asked and not low:
+        raise ValueError("MoEFoldStrategy(main_params_dtype='bf16') only applies to bf16 or fp16 weights "
+                         "(precision='bf16-true'); this model's optimized weights are fp32")
     if not options.sharded:
         main = MainParams(optimizers) if use_main else None
         return GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main), main, None

@@ -25,6 +25,7 @@ gradient, as in Megatron (decay applies).
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
@@ -69,10 +70,24 @@ class _Bucket:
     pending: list = field(default_factory=list)  # work handles or CUDA events the next forward waits for
 
 
-def _pinned(sizes: list[int], dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    """Views into one host allocation (the pinned allocator rounds each allocation up to a power of two)."""
-    flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
-    return list(flat.split(sizes)) if sizes else []
+def _host_buffer(n: int, dtype: torch.dtype, pin: bool, registered: list) -> torch.Tensor:
+    """One host allocation, page-locked in place with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator
+    rounds every allocation up to a power of two: 16 GiB for a 10 GiB buffer)."""
+    flat = torch.empty(n, dtype=dtype)
+    if pin and n:
+        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), n * flat.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"optimizer_cpu_offload: cudaHostRegister of {n * flat.element_size() / 2**30:.2f} GiB "
+                               f"failed with CUDA error {int(err)} (pinned host memory)")
+        # unregister once the buffer is freed (its views keep it alive through their ``_base``)
+        weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr())
+        registered.append(n * flat.element_size())
+    return flat
+
+
+def _pinned(sizes: list[int], dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
+    """Views into one (pinned) host allocation."""
+    return list(_host_buffer(sum(sizes), dtype, pin, registered).split(sizes)) if sizes else []
 
 
 class ShardedOptimizer:
@@ -154,7 +169,7 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _make_tensors(self) -> None:
-        pin = self.cuda
+        pin, self._registered = self.cuda, []  # bytes page-locked
         for s in self.slots:
             main = torch.float32 if s.param.dtype in LOW_PRECISION and self.main_fp32 else s.param.dtype
             if s.grad.dtype != main:
@@ -165,13 +180,14 @@ class ShardedOptimizer:
         host = [s for s in self.slots if s.host]
         for dtype in {s.grad.dtype for s in host}:
             mine = [s for s in host if s.grad.dtype == dtype]
-            for s, t, g in zip(mine, _pinned([s.hi - s.lo for s in mine], dtype, pin),
-                               _pinned([s.hi - s.lo for s in mine], dtype, pin)):
+            sizes = [s.hi - s.lo for s in mine]
+            for s, t, g in zip(mine, _pinned(sizes, dtype, pin, self._registered),
+                               _pinned(sizes, dtype, pin, self._registered)):
                 s.is_view, s.tensor, s.host_grad = False, t, g
                 t.copy_(s.weight())
         for dtype in {s.param.dtype for s in host if s.param.dtype != s.tensor.dtype}:
             mine = [s for s in host if s.param.dtype == dtype and s.tensor.dtype != dtype]
-            for s, t in zip(mine, _pinned([s.hi - s.lo for s in mine], dtype, pin)):
+            for s, t in zip(mine, _pinned([s.hi - s.lo for s in mine], dtype, pin, self._registered)):
                 s.staging = t
 
     def _register_waits(self, module: nn.Module) -> list:
@@ -224,11 +240,11 @@ class ShardedOptimizer:
     def _step_host(self, d2h_done) -> None:
         if d2h_done is not None:
             d2h_done.synchronize()  # unavoidable: the CPU steps these gradients (the GPU steps the device part)
+        if self._h2d_done is not None:
+            self._h2d_done.synchronize()  # the last step's copies out of these buffers (long done)
         for s in self.host_slots:
             s.tensor.grad = s.host_grad
         self._run(self.host_slots, host=True)
-        if self._h2d_done is not None:
-            self._h2d_done.synchronize()  # the last step's copies out of the staging buffers (long done)
         staged = [s for s in self.host_slots if s.staging is not None]
         if staged:
             torch._foreach_copy_([s.staging for s in staged], [s.tensor for s in staged])
@@ -419,6 +435,8 @@ class ShardedOptimizer:
                 s.tensor.data = s.tensor.data.to(device)
 
     def release(self) -> None:
+        """End of training: hooks off, the optimizer's own step back. The host buffers stay (and stay pinned) as
+        long as the optimizer references them."""
         self.wait_all()
         for h in self._hooks:
             h.remove()

@@ -243,3 +243,30 @@ def test_range_pieces_map_slices_to_logical_blocks():
     assert torch.equal(rebuilt.reshape(-1)[lo:hi], full.reshape(-1)[lo:hi])
     assert rebuilt.reshape(-1)[:lo].eq(-1).all() and rebuilt.reshape(-1)[hi:].eq(-1).all()
     assert {p.key for p in pieces} == {"a.weight"} and len(pieces) == 3  # partial row, full rows, partial row
+
+
+def test_bytes_per_parameter():
+    """Megatron's table: 18 bytes for bf16 weights with fp32 main grads, main weights and Adam moments; 6 + 12/d with
+    the distributed optimizer over d ranks; bf16 moments save 4; offload moves the owned 12 to the host."""
+    from lightning_moe.strategy.memory import optimizer_bytes_per_param as b
+    assert b()["device"] == 18 and b()["host"] == 0
+    assert b(distributed_optimizer=True, shard=4)["device"] == 6 + 12 / 4
+    assert b(shard=4)["device"] == 18  # the shard count matters only with the distributed optimizer
+    assert b(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")["device"] == 14
+    assert b(optimizer_cpu_offload=1.0)["device"] == 6
+    assert b(optimizer_cpu_offload=0.5)["device"] == 12 and b(optimizer_cpu_offload=0.5)["host_grads"] == 2
+    assert b(fp32_main_params=False)["device"] == 2 + 2 + 4  # plain bf16: bf16 grads and moments
+    assert b(weight_bytes=4)["device"] == 16  # fp32 weights are their own main params
+
+
+def test_bf16_main_params_refused_for_fp32_weights(tmp_path):
+    """main_params_dtype='bf16' would do nothing for fp32 weights: refused at setup, naming the option."""
+    from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
+    from tests.parallel.parity import make_tokens
+    tokens = make_tokens(str(tmp_path / "t.bin"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEFoldStrategy(main_params_dtype="bf16"), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp_path))
+    model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=32, num_layers=1, hidden_size=32))
+    with pytest.raises(ValueError, match="main_params_dtype='bf16'.*fp32"):
+        trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=32, batch_size=2))
