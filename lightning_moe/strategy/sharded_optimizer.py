@@ -25,7 +25,6 @@ gradient, as in Megatron (decay applies).
 from __future__ import annotations
 
 import math
-import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
@@ -37,6 +36,7 @@ from lightning_moe.strategy.comm import all_gather_flat
 from lightning_moe.strategy.flat_shards import owned_ranges, split_for_host
 from lightning_moe.strategy.grad_sync import GradSync, is_expert_param, is_tp_sharded
 from lightning_moe.strategy.main_params import LOW_PRECISION
+from lightning_moe.strategy.optimizer_offload import HostCopies
 from lightning_moe.strategy.optimizer_options import CPU_FUSED, OptimizerOptions
 
 
@@ -68,26 +68,6 @@ class _Bucket:
     weights: Optional[torch.Tensor] = None  # flat weight buffer (gathered buckets)
     has_host: bool = False
     pending: list = field(default_factory=list)  # work handles or CUDA events the next forward waits for
-
-
-def _host_buffer(n: int, dtype: torch.dtype, pin: bool, registered: list) -> torch.Tensor:
-    """One host allocation, page-locked in place with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator
-    rounds every allocation up to a power of two: 16 GiB for a 10 GiB buffer)."""
-    flat = torch.empty(n, dtype=dtype)
-    if pin and n:
-        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), n * flat.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"optimizer_cpu_offload: cudaHostRegister of {n * flat.element_size() / 2**30:.2f} GiB "
-                               f"failed with CUDA error {int(err)} (pinned host memory)")
-        # unregister once the buffer is freed (its views keep it alive through their ``_base``)
-        weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr())
-        registered.append(n * flat.element_size())
-    return flat
-
-
-def _pinned(sizes: list[int], dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
-    """Views into one (pinned) host allocation."""
-    return list(_host_buffer(sum(sizes), dtype, pin, registered).split(sizes)) if sizes else []
 
 
 class ShardedOptimizer:
@@ -138,9 +118,6 @@ class ShardedOptimizer:
         if hasattr(self._orig_step, "_wrapped_by_lr_sched"):  # torch's LR schedulers check that their patch stays
             step._wrapped_by_lr_sched = True
         optimizer.step = step
-        self._d2h = self._h2d = self._h2d_done = None
-        if self.cuda and self.host_slots:
-            self._d2h, self._h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self._next = 0  # the first bucket the next forward may still have to wait for
         self._hooks = self._register_waits(module) if any(b.gather or b.has_host for b in self.buckets) else []
 
@@ -169,7 +146,6 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _make_tensors(self) -> None:
-        pin, self._registered = self.cuda, []  # bytes page-locked
         for s in self.slots:
             main = torch.float32 if s.param.dtype in LOW_PRECISION and self.main_fp32 else s.param.dtype
             if s.grad.dtype != main:
@@ -177,18 +153,7 @@ class ShardedOptimizer:
             if not s.host:
                 s.is_view = main == s.param.dtype
                 s.tensor = s.weight() if s.is_view else s.weight().to(main)
-        host = [s for s in self.slots if s.host]
-        for dtype in {s.grad.dtype for s in host}:
-            mine = [s for s in host if s.grad.dtype == dtype]
-            sizes = [s.hi - s.lo for s in mine]
-            for s, t, g in zip(mine, _pinned(sizes, dtype, pin, self._registered),
-                               _pinned(sizes, dtype, pin, self._registered)):
-                s.is_view, s.tensor, s.host_grad = False, t, g
-                t.copy_(s.weight())
-        for dtype in {s.param.dtype for s in host if s.param.dtype != s.tensor.dtype}:
-            mine = [s for s in host if s.param.dtype == dtype and s.tensor.dtype != dtype]
-            for s, t in zip(mine, _pinned([s.hi - s.lo for s in mine], dtype, pin, self._registered)):
-                s.staging = t
+        self.host = HostCopies([s for s in self.slots if s.host], self.device)
 
     def _register_waits(self, module: nn.Module) -> list:
         where = {id(p): i for i, bk in enumerate(self.buckets) for p in bk.sync.params}
@@ -219,44 +184,16 @@ class ShardedOptimizer:
     def step(self) -> None:
         if not self.grad_sync.had_main_grad:  # no backward ran in this step (e.g. training_step returned None)
             return
-        d2h_done = None
-        if self.host_slots:  # after clipping (the current stream's last work on the gradients)
-            if self.cuda:
-                self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._d2h):
-                    torch._foreach_copy_([s.host_grad for s in self.host_slots],
-                                         [s.grad for s in self.host_slots], non_blocking=True)
-                d2h_done = self._d2h.record_event()
-            else:
-                torch._foreach_copy_([s.host_grad for s in self.host_slots], [s.grad for s in self.host_slots])
+        self.host.grads_out()  # after clipping, the compute stream's last work on the gradients
         self._run(self.device_slots, host=False)
         sep = [s for s in self.device_slots if not s.is_view]
         if sep:
             torch._foreach_copy_([s.weight() for s in sep], [s.tensor for s in sep])
         if self.host_slots:
-            self._step_host(d2h_done)
+            self.host.wait_grads()
+            self._run(self.host_slots, host=True)
+            self.host.weights_in()
         self._publish()
-
-    def _step_host(self, d2h_done) -> None:
-        if d2h_done is not None:
-            d2h_done.synchronize()  # unavoidable: the CPU steps these gradients (the GPU steps the device part)
-        if self._h2d_done is not None:
-            self._h2d_done.synchronize()  # the last step's copies out of these buffers (long done)
-        for s in self.host_slots:
-            s.tensor.grad = s.host_grad
-        self._run(self.host_slots, host=True)
-        staged = [s for s in self.host_slots if s.staging is not None]
-        if staged:
-            torch._foreach_copy_([s.staging for s in staged], [s.tensor for s in staged])
-        src = [s.staging if s.staging is not None else s.tensor for s in self.host_slots]
-        if self.cuda:
-            # after this step's device writes and every earlier read of these weights on the compute stream
-            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._h2d):
-                torch._foreach_copy_([s.weight() for s in self.host_slots], src, non_blocking=True)
-            self._h2d_done = self._h2d.record_event()
-        else:
-            torch._foreach_copy_([s.weight() for s in self.host_slots], src)
 
     def _run(self, slots: list[Slot], host: bool) -> None:
         """The user's optimizer step over ``slots`` only (its param groups swapped for theirs), one bucket at a time
@@ -316,14 +253,14 @@ class ShardedOptimizer:
     def _publish(self) -> None:
         """Start each bucket's all-gather (or note its host copies), in forward order."""
         for bk in self.buckets:
-            side = self._h2d if (bk.has_host and self.cuda) else None
+            side = self.host.stream if bk.has_host else None
             if bk.gather:
                 lo, hi = bk.sync.owned
                 with torch.cuda.stream(side) if side is not None else nullcontext():
                     bk.pending.append(all_gather_flat(bk.weights, bk.weights[lo:hi],
                                                       self.ctx.group(bk.sync.group_name)))
             elif side is not None:
-                bk.pending.append(self._h2d_done)
+                bk.pending.append(self.host.weights_done)
         self._next = 0
         if not self.options.overlap_param_gather:
             self.wait_all()
