@@ -9,6 +9,7 @@ depth and vocabulary to fit one 80 GB GPU:
   mixtral-8x7b    2      32000  1      3.17 B  53 GiB
   qwen3-30b-a3b   4      32768  2      2.63 B  44 GiB      8 layers are 5.1 B params = 86 GiB of weights, grads
                                                            and optimizer state alone: does not fit 80 GB
+                                                           without --offload (0.5 fits; docs/PERFORMANCE.md)
 
 Data are random uint16 tokens written with ``lightning_moe.data.write_tokens`` to a temp dir and read through
 ``TokenDataModule``, so the router sees no structure (near-uniform load). Step time: CUDA events at every
