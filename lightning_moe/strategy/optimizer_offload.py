@@ -6,28 +6,45 @@ optimizer state stays in ordinary host memory (it never crosses the bus)."""
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Optional
 
 import torch
 
 
-def host_buffer(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """One host allocation, page-locked in place with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator
-    rounds every allocation up to a power of two: 16 GiB for a 10 GiB buffer)."""
-    flat = torch.empty(n, dtype=dtype)
-    if pin and n:
-        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), n * flat.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"optimizer_cpu_offload: cudaHostRegister of {n * flat.element_size() / 2**30:.2f} GiB "
-                               f"failed with CUDA error {int(err)} (pinned host memory)")
-        # unregister once the buffer is freed (its views keep it alive through their ``_base``)
-        weakref.finalize(flat, torch.cuda.cudart().cudaHostUnregister, flat.data_ptr())
-    return flat
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _views(sizes: list[int], dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    return list(host_buffer(sum(sizes), dtype, pin).split(sizes)) if sizes else []
+def host_buffer(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Tensor:
+    """``n`` elements of host memory, page-locked in place with ``cudaHostRegister`` when ``pin`` (torch's pinned
+    allocator rounds every allocation up to a power of two: 16 GiB for a 10 GiB buffer). Registered regions are
+    whole pages of their own, so two buffers never share a page (which cannot be registered twice). ``keep`` gets
+    ``(allocation, registered address)``: hand it to ``unregister`` before the allocation may be freed."""
+    if not (pin and n):
+        return torch.empty(n, dtype=dtype)
+    nbytes = n * dtype.itemsize
+    size = -(-nbytes // PAGE) * PAGE
+    raw = torch.empty(size + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    region = raw[start:start + size]
+    err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"optimizer_cpu_offload: cudaHostRegister of {size / 2**30:.2f} GiB failed with CUDA error "
+                           f"{int(err)} (pinned host memory)")
+    keep.append((raw, region.data_ptr()))
+    return region[:nbytes].view(dtype)
+
+
+def unregister(keep: list) -> None:
+    """Unpin (the memory stays valid as ordinary host memory for whatever still views it)."""
+    while keep:
+        _, ptr = keep.pop()
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _views(sizes: list[int], dtype: torch.dtype, pin: bool, keep: list) -> list[torch.Tensor]:
+    return list(host_buffer(sum(sizes), dtype, pin, keep).split(sizes)) if sizes else []
 
 
 class HostCopies:
@@ -36,16 +53,18 @@ class HostCopies:
     def __init__(self, slots: list, device: torch.device):
         self.slots, self.device = slots, device
         self.cuda = device.type == "cuda"
-        pin = self.cuda
+        pin, self._pinned = self.cuda, []
+        # unpinned when this object goes (the registered allocations are kept alive until then)
+        weakref.finalize(self, unregister, self._pinned)
         for dtype in {s.grad.dtype for s in slots}:  # main weights in the stepped dtype, gradients alike
             mine = [s for s in slots if s.grad.dtype == dtype]
             sizes = [s.hi - s.lo for s in mine]
-            for s, t, g in zip(mine, _views(sizes, dtype, pin), _views(sizes, dtype, pin)):
+            for s, t, g in zip(mine, _views(sizes, dtype, pin, self._pinned), _views(sizes, dtype, pin, self._pinned)):
                 s.is_view, s.tensor, s.host_grad = False, t, g
                 t.copy_(s.weight())
         for dtype in {s.param.dtype for s in slots if s.param.dtype != s.tensor.dtype}:  # staging in the model's dtype
             mine = [s for s in slots if s.param.dtype == dtype and s.tensor.dtype != dtype]
-            for s, t in zip(mine, _views([s.hi - s.lo for s in mine], dtype, pin)):
+            for s, t in zip(mine, _views([s.hi - s.lo for s in mine], dtype, pin, self._pinned)):
                 s.staging = t
         self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if self.cuda and slots else None
         self._out = torch.cuda.Stream(device) if self.cuda and slots else None

@@ -11,18 +11,23 @@ from torch import nn
 
 from lightning_moe.strategy.grad_sync import GradSync
 from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
+from lightning_moe.strategy.optimizer_offload import host_buffer, unregister
 from lightning_moe.strategy.optimizer_options import OptimizerOptions
 from lightning_moe.strategy.sharded_optimizer import ShardedOptimizer
 
 
-def _check_pinned_memory(device: torch.device, fraction: float) -> None:
+def check_pinned_memory(device: torch.device, fraction: float) -> None:
+    """Offload moves gradients and weights through page-locked host memory: fail at setup, naming the option, where
+    it cannot be had."""
     if device.type != "cuda":
         return  # the state is in host memory already; the offloaded part still steps on its own, as on a GPU
+    keep: list = []
     try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError as e:
+        host_buffer(1024, torch.float32, pin=True, keep=keep)
+        unregister(keep)
+    except (RuntimeError, AttributeError) as e:
         raise RuntimeError(f"MoEFoldStrategy(optimizer_cpu_offload={fraction}) needs pinned host memory for the "
-                           f"gradient and weight copies, which this machine cannot allocate: {e}") from e
+                           f"gradient and weight copies, which this machine cannot provide: {e}") from e
 
 
 def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: OptimizerOptions,
@@ -41,7 +46,7 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
         raise ValueError(f"MoEFoldStrategy's distributed / precision-aware / offloaded optimizer drives one optimizer, "
                          f"got {len(optimizers)}")
     if options.cpu_offload > 0:
-        _check_pinned_memory(device, options.cpu_offload)
+        check_pinned_memory(device, options.cpu_offload)
     # flat gradient buffers in the dtype the optimizer steps: fp32 with main params, else the weights' own
     sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=True, shard=options.distributed,
                     grad_dtype=torch.float32 if use_main else None)

@@ -270,3 +270,19 @@ def test_bf16_main_params_refused_for_fp32_weights(tmp_path):
     model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=32, num_layers=1, hidden_size=32))
     with pytest.raises(ValueError, match="main_params_dtype='bf16'.*fp32"):
         trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=32, batch_size=2))
+
+
+def test_offload_without_pinned_memory_fails_naming_the_option(monkeypatch):
+    """On a GPU whose host memory cannot be page-locked, offload fails at setup with the option's name."""
+    from lightning_moe.strategy import optimizer_offload
+    from lightning_moe.strategy.optimizer_setup import check_pinned_memory
+
+    class NoPinning:
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            return 3  # cudaErrorInitializationError
+
+    monkeypatch.setattr(optimizer_offload.torch.cuda, "cudart", lambda: NoPinning)
+    with pytest.raises(RuntimeError, match=r"optimizer_cpu_offload=0.5.*pinned host memory.*CUDA error 3"):
+        check_pinned_memory(torch.device("cuda"), 0.5)
+    check_pinned_memory(torch.device("cpu"), 0.5)  # CPU devices: the state is on the host already
