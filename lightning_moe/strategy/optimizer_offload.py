@@ -6,6 +6,7 @@ optimizer state stays in ordinary host memory (it never crosses the bus)."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import weakref
 from typing import Optional
@@ -25,15 +26,14 @@ def host_buffer(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Tens
         return torch.empty(n, dtype=dtype)
     nbytes = n * dtype.itemsize
     size = -(-nbytes // PAGE) * PAGE
-    raw = torch.empty(size + PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE
-    region = raw[start:start + size]
-    err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), size, 0)
+    # an anonymous mapping: page-aligned pages of its own (torch's tensor shares it and keeps it alive)
+    raw = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), size, 0)
     if int(err) != 0:
         raise RuntimeError(f"optimizer_cpu_offload: cudaHostRegister of {size / 2**30:.2f} GiB failed with CUDA error "
                            f"{int(err)} (pinned host memory)")
-    keep.append((raw, region.data_ptr()))
-    return region[:nbytes].view(dtype)
+    keep.append((raw, raw.data_ptr()))
+    return raw[:nbytes].view(dtype)
 
 
 def unregister(keep: list) -> None:
