@@ -94,9 +94,11 @@ DIST = dict(distributed_optimizer=True)
 @pytest.mark.parametrize("source,source_batch,target,target_batch,rel", [
     (EP2, 4, TP2_EP2, 8, 1e-5), (PP2, 8, EP2, 4, 1e-3),
     ({**EP2, **DIST}, 4, TP2_EP2, 8, 1e-5), (TP2_EP2, 8, {**EP2, **DIST, "optimizer_cpu_offload": 0.5}, 4, 1e-5),
-    ({**EP2, **DIST, "optimizer_cpu_offload": 0.5}, 4, {**PP2, **DIST}, 8, 1e-3)],
+    ({**EP2, **DIST, "optimizer_cpu_offload": 0.5}, 4, {**PP2, **DIST}, 8, 1e-3),
+    # bf16 weights: whole fp32 main weights in, slices of them out
+    ({**EP2, "precision": "bf16-true"}, 4, {**EP2, **DIST, "precision": "bf16-true"}, 4, 1e-3)],
     ids=["ep2_to_tp2_ep2", "pp2_to_ep2", "ep2_dist_to_tp2_ep2", "tp2_ep2_to_ep2_dist_offload",
-         "ep2_dist_offload_to_pp2_dist"])
+         "ep2_dist_offload_to_pp2_dist", "ep2_bf16_to_ep2_dist_bf16"])
 def test_resume_onto_another_layout(tmp_path, source, source_batch, target, target_batch, rel):
     """Weights, Adam's moments and step counts are resharded, and the step count, LR schedule and data position carry
     over: every resumed loss is the target layout's uninterrupted one (the two layouts differ only in float32
