@@ -2,6 +2,7 @@
 
 from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
 from lightning_moe.callbacks.loss_report import LossReport
+from lightning_moe.callbacks.recompute import Recompute
 from lightning_moe.callbacks.throughput import MoEThroughput
 from lightning_moe.data import TokenDataModule
 from lightning_moe.flops import peak_flops, training_flops_per_token
@@ -13,7 +14,7 @@ from lightning_moe.strategy import Layout, MoEFoldStrategy, ParallelContext, bui
 
 __all__ = [
     "build_layout", "DispatchState", "ExpertLoadMonitor", "Layout", "LossReport", "ModelConfig", "MoEFoldStrategy",
-    "MoELanguageModel", "MoEThroughput", "MoETransformer", "ParallelContext", "peak_flops", "TokenDataModule",
+    "MoELanguageModel", "MoEThroughput", "MoETransformer", "ParallelContext", "peak_flops", "Recompute", "TokenDataModule",
     "TokenDispatcher", "training_flops_per_token"
 ]
 __version__ = "0.1.0"

@@ -63,6 +63,21 @@ def check_attention_tp(cfg: ModelConfig, tp: int) -> None:
                          "(kv heads are split over TP, not replicated, as in Megatron)")
 
 
+class CoreAttention(nn.Module):
+    """Causal attention of rotated q, k and v (under CP with the K/V exchange) as a module: the place that
+    ``Recompute(["core_attn"])`` recomputes and ``ActivationOffload(["core_attn"])`` offloads. No parameters."""
+
+    def __init__(self, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, q_BHSE: torch.Tensor, k_BGSE: torch.Tensor, v_BGSF: torch.Tensor,
+                scale: float | None = None) -> torch.Tensor:
+        ctx = self.ctx
+        return context_parallel_attention(q_BHSE, k_BGSE, v_BGSF, ctx.group("cp"), ctx.rank("cp"), ctx.cp,
+                                          scale=scale)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
@@ -81,6 +96,7 @@ class Attention(nn.Module):
             if norm is not None:
                 mark_grad_sum_over_tp(norm, ctx)
         self.rope = RotaryCache(Dh, cfg.rope_theta, cfg.seq_length)
+        self.core_attn = CoreAttention(ctx)
 
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
         x_BSD = enter_tp_region(x_BSD, self.ctx)  # one all-gather (SP) for q, k and v
@@ -92,8 +108,7 @@ class Attention(nn.Module):
             q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
         cos, sin = self.rope(positions_S, S * self.ctx.cp)
         q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BGSDh, cos, sin)
-        ctx = self.ctx
-        o_BHSDh = context_parallel_attention(q_BHSDh, k_BGSDh, v_BGSDh, ctx.group("cp"), ctx.rank("cp"), ctx.cp)
+        o_BHSDh = self.core_attn(q_BHSDh, k_BGSDh, v_BGSDh)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 

@@ -43,6 +43,23 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+class GroupedMM(nn.Module):
+    """``grouped_mm`` as a module: the experts' two GEMMs are named places (``experts.fc1``, ``experts.fc2``) where
+    callbacks find their inputs (activation offload) and low-precision GEMMs can be swapped in. No parameters."""
+
+    def forward(self, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x_MK, w_LKN, offs_L)
+
+
+class SwiGLUActivation(nn.Module):
+    """``silu(gate) * up`` of ``[gate | up]`` as a module (``experts.act``): what ``Recompute(["moe_act"])``
+    recomputes instead of keeping."""
+
+    def forward(self, h_M2F: torch.Tensor) -> torch.Tensor:
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        return F.silu(gate_MF) * up_MF
+
+
 class GroupedExperts(nn.Module):
     """``num_local_experts`` SwiGLU experts whose FFN dimension is sharded over ``etp_size`` ranks.
 
@@ -62,6 +79,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local_experts, self.ffn, hidden))
         for p in (self.w13, self.w2):
             p.is_expert = True
+        self.fc1, self.act, self.fc2 = GroupedMM(), SwiGLUActivation(), GroupedMM()
 
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:
@@ -84,9 +102,8 @@ class GroupedExperts(nn.Module):
         if has_tail:
             valid_M1 = (torch.arange(x_MD.shape[0], device=x_MD.device) < offs_L[-1]).unsqueeze(1)
             x_MD = torch.where(valid_M1, x_MD, 0)
-        h_M2F = grouped_mm(x_MD.to(dtype), self.w13.to(dtype), offs_L)
-        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-        y_MD = grouped_mm(F.silu(gate_MF) * up_MF, self.w2.to(dtype), offs_L)
+        h_M2F = self.fc1(x_MD.to(dtype), self.w13.to(dtype), offs_L)
+        y_MD = self.fc2(self.act(h_M2F), self.w2.to(dtype), offs_L)
         return torch.where(valid_M1, y_MD, 0) if has_tail else y_MD
 
     def extra_repr(self) -> str:

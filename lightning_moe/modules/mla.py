@@ -25,9 +25,8 @@ import math
 import torch
 from torch import nn
 
-from lightning_moe.modules.attention import RotaryCache, apply_rope, check_attention_tp
+from lightning_moe.modules.attention import CoreAttention, RotaryCache, apply_rope, check_attention_tp
 from lightning_moe.modules.config import ModelConfig
-from lightning_moe.modules.context_parallel import context_parallel_attention
 from lightning_moe.modules.init import fill_normal_
 from lightning_moe.modules.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
                                                    mark_grad_sum_over_tp)
@@ -41,6 +40,27 @@ def check_mla_config(cfg: ModelConfig) -> None:
         raise ValueError(f"ModelConfig: attention_type='mla' needs {', '.join(missing)} to be set")
     if cfg.qk_rope_head_dim % 2:
         raise ValueError(f"ModelConfig.qk_rope_head_dim: must be even for RoPE, got {cfg.qk_rope_head_dim}")
+
+
+class MLAUpProjection(nn.Module):
+    """The up-projections and RoPE, from the latents to the heads' q, k and v: the place that
+    ``Recompute(["mla_up_proj"])`` recomputes from the (small) latents instead of keeping q, k and v. No parameters
+    of its own: it applies its attention module's, given as the first argument."""
+
+    def forward(self, attn: "MLAttention", q_in_BSX: torch.Tensor, c_BSC: torch.Tensor, k_rope_BSR: torch.Tensor,
+                positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, S, _ = c_BSC.shape
+        H, N, R, V = attn.n_heads, attn.nope, attn.rope_dim, attn.v_dim
+        q_BSX = attn.wq_b(q_in_BSX) if attn.cfg.q_lora_rank else attn.wq(q_in_BSX)
+        q_BHSK = q_BSX.view(B, S, H, N + R).transpose(1, 2)
+        kv_BHSX = attn.wkv_b(attn.kv_a_norm(c_BSC)).view(B, S, H, N + V).transpose(1, 2)
+        k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
+        cos, sin = attn.rope(positions_S, S * attn.ctx.cp)
+        q_nope_BHSN, q_rope_BHSR = q_BHSK.split([N, R], dim=-1)
+        q_BHSK = torch.cat([q_nope_BHSN, apply_rope(q_rope_BHSR, cos, sin)], dim=-1)
+        k_rope_B1SR = apply_rope(k_rope_BSR.unsqueeze(1), cos, sin)
+        k_BHSK = torch.cat([k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)], dim=-1)
+        return q_BHSK, k_BHSK, v_BHSV
 
 
 class MLAttention(nn.Module):
@@ -71,6 +91,7 @@ class MLAttention(nn.Module):
             mark_grad_sum_over_tp(m, ctx)
         self.scale = 1.0 / math.sqrt(qk)
         self.rope = RotaryCache(self.rope_dim, cfg.rope_theta, cfg.seq_length)
+        self.up_proj, self.core_attn = MLAUpProjection(), CoreAttention(ctx)
 
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:
@@ -82,21 +103,8 @@ class MLAttention(nn.Module):
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
         x_BSD = enter_tp_region(x_BSD, self.ctx)
         B, S, _ = x_BSD.shape
-        H, N, R, V = self.n_heads, self.nope, self.rope_dim, self.v_dim
-        if self.cfg.q_lora_rank:
-            q_BSX = self.wq_b(self.q_a_norm(self.wq_a(x_BSD)))
-        else:
-            q_BSX = self.wq(x_BSD)
-        q_BHSK = q_BSX.view(B, S, H, N + R).transpose(1, 2)
-        c_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora, R], dim=-1)
-        kv_BHSX = self.wkv_b(self.kv_a_norm(c_BSC)).view(B, S, H, N + V).transpose(1, 2)
-        k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
-        cos, sin = self.rope(positions_S, S * self.ctx.cp)
-        q_nope_BHSN, q_rope_BHSR = q_BHSK.split([N, R], dim=-1)
-        q_BHSK = torch.cat([q_nope_BHSN, apply_rope(q_rope_BHSR, cos, sin)], dim=-1)
-        k_rope_B1SR = apply_rope(k_rope_BSR.unsqueeze(1), cos, sin)
-        k_BHSK = torch.cat([k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)], dim=-1)
-        ctx = self.ctx
-        o_BHSV = context_parallel_attention(q_BHSK, k_BHSK, v_BHSV, ctx.group("cp"), ctx.rank("cp"), ctx.cp,
-                                            scale=self.scale)
-        return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, H * V))
+        q_in_BSX = self.q_a_norm(self.wq_a(x_BSD)) if self.cfg.q_lora_rank else x_BSD
+        c_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora, self.rope_dim], dim=-1)
+        q_BHSK, k_BHSK, v_BHSV = self.up_proj(self, q_in_BSX, c_BSC, k_rope_BSR, positions_S)
+        o_BHSV = self.core_attn(q_BHSK, k_BHSK, v_BHSV, scale=self.scale)
+        return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_moe.modules import replay
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.dispatcher import build_dispatcher
 from lightning_moe.modules.experts import GroupedExperts, SwiGLU
@@ -54,6 +55,7 @@ class MoELayer(nn.Module):
             y_BSD = gather_seq_replicated(y_BSD, tp_group)
         if shared_BSD is not None:
             y_BSD = y_BSD + shared_BSD
-        self.last_stats = {"tokens_per_expert": route.tokens_per_expert_E, "num_dropped": route.num_dropped,
-                           "aux_loss": route.aux_loss.detach(), "z_loss": route.z_loss.detach()}
+        if not replay.replaying():  # a recomputation's replay reports nothing new
+            self.last_stats = {"tokens_per_expert": route.tokens_per_expert_E, "num_dropped": route.num_dropped,
+                               "aux_loss": route.aux_loss.detach(), "z_loss": route.z_loss.detach()}
         return y_BSD, route.aux_loss + route.z_loss

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_moe.modules import replay
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.init import fill_normal_
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -205,6 +206,7 @@ class TopKRouter(nn.Module):
         if cfg.load_balancing == "global_aux_loss":
             self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=True)
             self.register_buffer("global_aux_steps", torch.zeros((), dtype=torch.float32), persistent=True)
+        self._replayed: list[torch.Tensor] = []  # the window each recomputed pass saw, in order (modules/replay.py)
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int) -> RouterOutput:
         cfg = self.cfg
@@ -224,7 +226,7 @@ class TopKRouter(nn.Module):
             same_ranking = not cfg.num_groups and self.expert_bias is None
             aux = self._aux_loss(logits_TE, num_sequences, experts_TK if same_ranking else None)
 
-        if training:
+        if training and not replay.replaying():  # a recomputation's replay must not count again
             with torch.no_grad():
                 self.local_tokens_per_expert += tokens_per_expert_E
 
@@ -261,10 +263,15 @@ class TopKRouter(nn.Module):
             return loss * ctx.size("cp")
         if cfg.load_balancing == "global_aux_loss":
             tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_dp_cp")
-            with torch.no_grad():
-                self.global_tokens_per_expert += tpe_E
-                self.global_aux_steps += 1
-            averaged_E = self.global_tokens_per_expert / self.global_aux_steps
+            if replay.replaying():  # the first pass's window: later micro-batches have moved the counters since
+                averaged_E = self._replayed.pop(0)
+            else:
+                with torch.no_grad():
+                    self.global_tokens_per_expert += tpe_E
+                    self.global_aux_steps += 1
+                averaged_E = self.global_tokens_per_expert / self.global_aux_steps
+                if replay.recorded():  # this pass will be replayed in backward: keep what it saw
+                    self._replayed.append(averaged_E)
             total = T * ctx.size("tp_dp_cp")
             return switch_load_balancing_loss(scores_TE, averaged_E, total, K, E, coeff) * ctx.size("dp_cp")
         raise ValueError(f"TopKRouter: unknown load_balancing {cfg.load_balancing!r}")
@@ -299,3 +306,4 @@ class TopKRouter(nn.Module):
         if self.cfg.load_balancing == "global_aux_loss":
             self.global_tokens_per_expert.zero_()
             self.global_aux_steps.zero_()
+        self._replayed.clear()  # every replay of the window has run by now

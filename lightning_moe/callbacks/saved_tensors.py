@@ -1,0 +1,194 @@
+"""What autograd keeps for backward inside chosen modules: the saved-tensor hooks behind ``Recompute``'s
+fine-grained modules and ``ActivationOffload``.
+
+Inside a block that a callback selected, every tensor autograd saves for backward passes ``_pack``:
+
+* an output of a module marked for recomputation (``mark_recompute``), wherever it is saved (by the module itself, as
+  attention keeps its output, or by the next op, as a linear keeps its input), is not kept: backward rebuilds it from
+  the module's inputs, once, under no_grad (Megatron's ``CheckpointWithoutOutput``, here with
+  ``torch.autograd.graph.saved_tensors_hooks``);
+* a tensor saved inside a module marked for offload (``mark_offload``) goes to host memory (``offload.py``);
+* anything else is kept as it is.
+
+Regions recomputed whole (blocks, MoE layers, MLPs) use ``torch.utils.checkpoint``; inside them its own hooks apply.
+The counters (``stats``) say how many bytes each mark kept off the device in the last forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_moe.modules import replay
+
+
+def _tensors(out) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+class _Recipe:
+    """How to rebuild a marked module's outputs: its forward on the same inputs, under the same autocast state."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, outputs: list, name: str):
+        self.module, self.args, self.kwargs, self.name = module, args, kwargs, name
+        self.layouts = [(o.untyped_storage().nbytes(), o.stride()) for o in outputs]
+        dev = outputs[0].device.type
+        self.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        self._outputs: Optional[list] = None
+        self.counted: set[int] = set()  # outputs already counted in the stats (several ops may save one tensor)
+
+    def output(self, i: int) -> torch.Tensor:
+        if self._outputs is None:  # once for all the saved copies of every output
+            dev, enabled, dtype = self.autocast
+            with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), replay.replay():
+                outs = _tensors(self.module.forward(*self.args, **self.kwargs))  # forward: no hooks run again
+            if [(o.untyped_storage().nbytes(), o.stride()) for o in outs] != self.layouts:
+                raise RuntimeError(f"Recompute: recomputing {self.name} gave outputs of another layout than its "
+                                   "forward pass (a non-deterministic module cannot be recomputed)")
+            self._outputs = outs
+        return self._outputs[i]
+
+
+class _Saved:
+    """What ``_pack`` returns: the tensor itself, or where to rebuild it from."""
+    __slots__ = ("tensor", "recipe", "index", "view")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.recipe, self.index, self.view = tensor, None, 0, None
+
+    def drop(self, recipe: _Recipe, index: int, out: torch.Tensor) -> int:
+        """Keep the recipe instead of the tensor; the bytes this frees (an output counts once)."""
+        t = self.tensor
+        self.recipe, self.index = recipe, index
+        self.view = (t.shape, t.stride(), t.storage_offset() - out.storage_offset())
+        self.tensor = None
+        if index in recipe.counted:
+            return 0
+        recipe.counted.add(index)
+        return out.untyped_storage().nbytes()
+
+    def get(self) -> torch.Tensor:
+        if self.recipe is None:
+            return self.tensor
+        out = self.recipe.output(self.index)
+        size, stride, delta = self.view
+        return out.as_strided(size, stride, out.storage_offset() + delta)
+
+
+class SavedTensorPolicy:
+    """One per model: the marks of both callbacks, and the hooks installed around each selected block's forward."""
+
+    def __init__(self):
+        self.offloader = None  # set by ActivationOffload: .pack(tensor, name) -> object with .get()
+        self.stats: dict[str, int] = defaultdict(int)  # bytes kept off the device per mark, last forward
+        self._outputs: dict[int, list] = {}  # storage address -> [(recipe, index, weakref to the output)]
+        self._open: list[list[_Saved]] = []  # saved inside the marked modules now running (their own outputs?)
+        self._offloading: list[str] = []  # the offload marks now running
+        self._handles: list = []
+        self._wrapped: list[tuple[nn.Module, Callable]] = []
+
+    # ------------------------------------------------------------------ marks
+    def wrap_block(self, block: nn.Module) -> None:
+        """Install the hooks for the forward of ``block`` (once per block)."""
+        if any(b is block for b, _ in self._wrapped):
+            return
+        forward = block.forward
+
+        def wrapped(*args, **kwargs):
+            self._outputs.clear()
+            self._open.clear()
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                try:
+                    return forward(*args, **kwargs)
+                finally:
+                    self._outputs.clear()
+                    self._open.clear()
+                    self._offloading.clear()
+
+        block.forward = wrapped
+        self._wrapped.append((block, forward))
+
+    def mark_recompute(self, module: nn.Module, name: str) -> None:
+        def before(mod, args):
+            self._open.append([])
+
+        def after(mod, args, kwargs, out):
+            inside = self._open.pop() if self._open else []
+            outs = _tensors(out)
+            if not outs or not torch.is_grad_enabled():
+                return
+            recipe = _Recipe(mod, args, kwargs, outs, name)
+            for i, o in enumerate(outs):
+                self._outputs.setdefault(o.untyped_storage().data_ptr(), []).append((recipe, i, weakref.ref(o)))
+            for saved in inside:  # the module kept its own output (attention does): rebuild that too
+                if saved.tensor is not None:
+                    hit = self._match(saved.tensor)
+                    if hit is not None:
+                        self.stats[name] += saved.drop(*hit)
+
+        self._handles += [module.register_forward_pre_hook(before),
+                          module.register_forward_hook(after, with_kwargs=True)]
+
+    def mark_offload(self, module: nn.Module, name: str) -> None:
+        def before(mod, args):
+            self._offloading.append(name)
+
+        def after(mod, args, out):
+            if self._offloading:
+                self._offloading.pop()
+
+        self._handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for block, forward in self._wrapped:
+            block.forward = forward
+        self._handles, self._wrapped = [], []
+
+    # ------------------------------------------------------------------ the hooks
+    def _match(self, t: torch.Tensor):
+        for recipe, i, ref in self._outputs.get(t.untyped_storage().data_ptr(), ()):
+            out = ref()  # alive, so its memory cannot belong to another tensor
+            if out is not None and out.untyped_storage().nbytes() == t.untyped_storage().nbytes():
+                return recipe, i, out
+        return None
+
+    def _pack(self, t: torch.Tensor):
+        if t.requires_grad and t.is_leaf:  # a parameter (or a user's leaf): never moved
+            return t
+        saved = _Saved(t)
+        hit = self._match(t) if self._outputs else None
+        if hit is not None:
+            self.stats[hit[0].name] += saved.drop(*hit)
+            return saved
+        if self._offloading and self.offloader is not None:
+            moved = self.offloader.pack(t, self._offloading[-1])
+            if moved is not None:
+                self.stats["offload:" + self._offloading[-1]] += t.numel() * t.element_size()
+                return moved
+        for inside in self._open:
+            inside.append(saved)
+        return saved
+
+    @staticmethod
+    def _unpack(saved) -> torch.Tensor:
+        return saved if isinstance(saved, torch.Tensor) else saved.get()
+
+
+def policy_of(module: nn.Module) -> SavedTensorPolicy:
+    """The model's one policy, shared by ``Recompute`` and ``ActivationOffload`` (nested hooks would hide each
+    other's)."""
+    policy = getattr(module, "_lmoe_saved_tensors", None)
+    if policy is None:
+        policy = SavedTensorPolicy()
+        object.__setattr__(module, "_lmoe_saved_tensors", policy)
+    return policy
