@@ -281,12 +281,20 @@ def run_one(args, preset: str) -> dict:
                                  log_expert_load=False, seed=args.seed)
         timer = StepTimer(device, warmup, steps)
         opt_timer = OptimizerTimer(device, warmup, steps)
+        memory_callbacks = []
+        if args.recompute:
+            from lightning_moe import Recompute
+            memory_callbacks.append(Recompute(args.recompute.split(",")))
+        if args.offload_activations:
+            from lightning_moe import ActivationOffload
+            memory_callbacks.append(ActivationOffload(args.offload_activations.split(",")))
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
                             strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
                             max_steps=steps + (2 if args.profile else 0),  # profiled after the timed window
                             accumulate_grad_batches=args.accumulate,
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, opt_timer],
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[timer, opt_timer, *memory_callbacks],
                             default_root_dir=tmp)
         if args.compile:
             log("--compile is a placeholder: the model runs eagerly")
@@ -332,7 +340,8 @@ def run_one(args, preset: str) -> dict:
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
            "dispatcher": cfg.dispatcher, "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
-           "compile": False, "devices": args.devices,
+           "compile": False, "devices": args.devices, "recompute": args.recompute,
+           "offload_activations": args.offload_activations,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
@@ -359,7 +368,8 @@ def run_in_subprocess(args, preset: str) -> dict:
                             ("--experts", args.experts), ("--first-k-dense", args.first_k_dense),
                             ("--offload", args.offload), ("--exp-avg-dtype", args.exp_avg_dtype),
                             ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype),
-                            ("--main-params-dtype", args.main_params_dtype)):
+                            ("--main-params-dtype", args.main_params_dtype), ("--recompute", args.recompute),
+                            ("--offload-activations", args.offload_activations)):
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--compile"] if args.compile else []
@@ -398,6 +408,9 @@ def main(argv=None) -> dict:
                    help="MoEFoldStrategy(cuda_graphs=True): each block's forward and backward as CUDA graphs")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--distributed-optimizer", action="store_true", help="MoEFoldStrategy(distributed_optimizer=True)")
+    p.add_argument("--recompute", default=None, help="lightning_moe.Recompute(modules): comma-separated names")
+    p.add_argument("--offload-activations", default=None,
+                   help="lightning_moe.ActivationOffload(modules): comma-separated names")
     p.add_argument("--offload", type=float, default=None, help="MoEFoldStrategy(optimizer_cpu_offload=F)")
     p.add_argument("--exp-avg-dtype", default=None, help="MoEFoldStrategy(exp_avg_dtype=...): fp32 or bf16")
     p.add_argument("--exp-avg-sq-dtype", default=None, help="MoEFoldStrategy(exp_avg_sq_dtype=...): fp32 or bf16")

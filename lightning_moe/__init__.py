@@ -1,5 +1,6 @@
 """lightning-moe: Mixture-of-Experts training for PyTorch Lightning with Megatron-style parallel folding."""
 
+from lightning_moe.callbacks.activation_offload import ActivationOffload
 from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
 from lightning_moe.callbacks.loss_report import LossReport
 from lightning_moe.callbacks.recompute import Recompute
@@ -13,7 +14,7 @@ from lightning_moe.modules.transformer import MoETransformer
 from lightning_moe.strategy import Layout, MoEFoldStrategy, ParallelContext, build_layout
 
 __all__ = [
-    "build_layout", "DispatchState", "ExpertLoadMonitor", "Layout", "LossReport", "ModelConfig", "MoEFoldStrategy",
+    "ActivationOffload", "build_layout", "DispatchState", "ExpertLoadMonitor", "Layout", "LossReport", "ModelConfig", "MoEFoldStrategy",
     "MoELanguageModel", "MoEThroughput", "MoETransformer", "ParallelContext", "peak_flops", "Recompute", "TokenDataModule",
     "TokenDispatcher", "training_flops_per_token"
 ]

@@ -1,8 +1,9 @@
-"""Callbacks: throughput/MFU, expert load, loss report, recomputation."""
+"""Callbacks: throughput/MFU, expert load, loss report, recomputation, activation offloading."""
 
+from lightning_moe.callbacks.activation_offload import ActivationOffload
 from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
 from lightning_moe.callbacks.loss_report import LossReport
 from lightning_moe.callbacks.recompute import Recompute
 from lightning_moe.callbacks.throughput import MoEThroughput
 
-__all__ = ["ExpertLoadMonitor", "LossReport", "MoEThroughput", "Recompute"]
+__all__ = ["ActivationOffload", "ExpertLoadMonitor", "LossReport", "MoEThroughput", "Recompute"]

@@ -26,6 +26,15 @@ from torch import nn
 from lightning_moe.modules import replay
 
 
+def _is_weight(t: torch.Tensor) -> bool:
+    """A parameter (a leaf that needs grad), or its dtype cast (autocast, ``w.to(dtype)``)."""
+    if t.requires_grad and t.is_leaf:
+        return True
+    fn = t.grad_fn
+    return (fn is not None and type(fn).__name__ == "ToCopyBackward0" and len(fn.next_functions) == 1
+            and type(fn.next_functions[0][0]).__name__ == "AccumulateGrad")
+
+
 def _tensors(out) -> list:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -105,6 +114,8 @@ class SavedTensorPolicy:
         def wrapped(*args, **kwargs):
             self._outputs.clear()
             self._open.clear()
+            if self.offloader is not None:
+                self.offloader.new_group()  # one group of offloaded tensors per block forward
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 try:
                     return forward(*args, **kwargs)
@@ -163,13 +174,14 @@ class SavedTensorPolicy:
         return None
 
     def _pack(self, t: torch.Tensor):
-        if t.requires_grad and t.is_leaf:  # a parameter (or a user's leaf): never moved
-            return t
-        saved = _Saved(t)
         hit = self._match(t) if self._outputs else None
         if hit is not None:
+            saved = _Saved(t)
             self.stats[hit[0].name] += saved.drop(*hit)
             return saved
+        if (not self._open and not self._offloading) or _is_weight(t):
+            return t  # the common case, kept as it is at the least cost (parameters are never moved)
+        saved = _Saved(t)
         if self._offloading and self.offloader is not None:
             moved = self.offloader.pack(t, self._offloading[-1])
             if moved is not None:

@@ -1,0 +1,155 @@
+"""ActivationOffload: fine-grained activation offloading as a callback (Megatron's ``--fine-grained-activation-offloading
+--offload-modules``, with its module names).
+
+The tensors that the chosen modules save for backward go to pinned host memory as the forward pass produces them, on
+a side stream, and come back on another in backward: when backward first needs a block's tensors it also starts
+loading the block before it, so each reload overlaps the previous block's backward (two blocks in flight at most).
+Only stream events order the copies: the host never waits for the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import lightning as L
+import torch
+
+from lightning_moe.callbacks.recompute import parse_layers, refuse_cuda_graphs, selected_layers
+from lightning_moe.callbacks.saved_tensors import policy_of
+
+MODULES = ("attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+
+
+def _targets(block) -> list[tuple[str, torch.nn.Module]]:
+    out = [("attn_norm", block.attn_norm), ("core_attn", block.attn.core_attn), ("attn_proj", block.attn.wo),
+           ("mlp_norm", block.ffn_norm)]
+    if block.is_moe:
+        out += [("expert_fc1", block.ffn.experts.fc1), ("moe_act", block.ffn.experts.act)]
+    return out
+
+
+class _Offloaded:
+    """A saved tensor that lives on the host until backward reloads it."""
+    __slots__ = ("store", "group", "host", "copied", "device", "loaded")
+
+    def __init__(self, store: "HostActivations", group: int, host: torch.Tensor, copied: torch.cuda.Event):
+        self.store, self.group, self.host, self.copied = store, group, host, copied
+        self.device: Optional[torch.Tensor] = None
+        self.loaded: Optional[torch.cuda.Event] = None
+
+    def get(self) -> torch.Tensor:
+        return self.store.reload(self)
+
+
+class HostActivations:
+    """The offloaded tensors of the forward passes since the last ``clear``, grouped by block in forward order."""
+
+    def __init__(self, device: torch.device, min_bytes: int):
+        self.device, self.min_bytes = device, min_bytes
+        self.out, self.back = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self.groups: list[list[_Offloaded]] = []
+
+    def new_group(self) -> None:
+        self.groups.append([])
+
+    def pack(self, t: torch.Tensor, name: str) -> Optional[_Offloaded]:
+        if (t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() < self.min_bytes
+                or not self.groups):
+            return None  # kept on the device
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's caching host allocator: reused
+        self.out.wait_stream(torch.cuda.current_stream(self.device))  # after the op that produced it
+        with torch.cuda.stream(self.out):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.out)  # its device memory is reused only after the copy
+        item = _Offloaded(self, len(self.groups) - 1, host, self.out.record_event())
+        self.groups[-1].append(item)
+        return item
+
+    def _load(self, group: int) -> None:
+        for item in self.groups[group]:
+            if item.device is not None or item.loaded is not None:
+                continue
+            with torch.cuda.stream(self.back):
+                self.back.wait_event(item.copied)
+                item.device = torch.empty(item.host.shape, dtype=item.host.dtype, device=self.device)
+                item.device.copy_(item.host, non_blocking=True)
+            item.loaded = self.back.record_event()
+
+    def reload(self, item: _Offloaded) -> torch.Tensor:
+        self._load(item.group)  # no-op when prefetched
+        # the last earlier block with offloaded tensors, which backward reaches next: its copy overlaps this block's
+        earlier = next((g for g in range(item.group - 1, -1, -1) if self.groups[g]), None)
+        if earlier is not None:
+            self._load(earlier)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(item.loaded)
+        t, item.device = item.device, None
+        t.record_stream(current)  # allocated on the reload stream, used and freed on the compute stream
+        return t
+
+    def clear(self) -> None:
+        self.groups = []
+
+
+class ActivationOffload(L.Callback):
+    """Move what the chosen ``modules`` save for backward to pinned host memory, in the chosen ``layers``.
+
+    Args:
+        modules: any of ``attn_norm``, ``core_attn``, ``attn_proj`` (the attention output projection's input),
+            ``mlp_norm``, ``expert_fc1`` (the experts' input), ``moe_act``. Default: ``expert_fc1``.
+        layers: ``"all"``, N (the first N layers of each pipeline stage) or a list of global layer indices.
+        min_bytes: smaller saved tensors stay on the device (not worth a copy).
+
+    Needs CUDA. Composes with ``Recompute``: a tensor that is recomputed is not offloaded. Logs
+    ``memory/offloaded_gib`` (the last micro-batch's).
+    """
+
+    def __init__(self, modules: Sequence[str] = ("expert_fc1",), layers: Union[str, int, Sequence[int]] = "all",
+                 min_bytes: int = 1 << 16):
+        if isinstance(modules, str):
+            modules = [modules]
+        unknown = [m for m in modules if m not in MODULES]
+        if unknown or not modules:
+            raise ValueError(f"ActivationOffload(modules={list(modules)!r}): unknown module "
+                             f"{unknown[0] if unknown else None!r}; valid: {', '.join(MODULES)}")
+        self.modules = list(dict.fromkeys(modules))
+        self.layers = parse_layers(layers if not isinstance(layers, tuple) else list(layers), "ActivationOffload")
+        self.min_bytes = int(min_bytes)
+        self.store: Optional[HostActivations] = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        device = trainer.strategy.root_device
+        if device.type != "cuda":
+            raise ValueError(f"ActivationOffload needs CUDA devices (it moves activations to pinned host memory on "
+                             f"side streams); this run is on {device.type}")
+        refuse_cuda_graphs(trainer, "ActivationOffload")
+        chosen, mine = selected_layers(pl_module, self.layers, "ActivationOffload")
+        cfg = pl_module.model.cfg
+        if {"expert_fc1", "moe_act"} & set(self.modules) and not any(cfg.is_moe_layer(i) for i in chosen):
+            raise ValueError(f"ActivationOffload(modules={self.modules}): the selected layers have no MoE layer")
+        policy = policy_of(pl_module)
+        self.store = policy.offloader = HostActivations(device, self.min_bytes)
+        for i in mine:
+            block = pl_module.model.layers[i]
+            for name, module in _targets(block):
+                if name in self.modules:
+                    policy.mark_offload(module, name)
+            policy.wrap_block(block)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        policy_of(pl_module).stats.clear()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.store is not None:
+            self.store.clear()  # every backward of the batch has run
+        stats = policy_of(pl_module).stats
+        moved = sum(v for k, v in stats.items() if k.startswith("offload:"))
+        pl_module.log("memory/offloaded_gib", torch.tensor(moved / 2**30), on_step=True, logger=True)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        policy = getattr(pl_module, "_lmoe_saved_tensors", None)
+        if policy is not None:
+            policy.offloader = None
+            policy.remove()
+            object.__delattr__(pl_module, "_lmoe_saved_tensors")
+        self.store = None
