@@ -69,6 +69,8 @@ class OptimizerOptions:
                 if d == torch.float32:
                     raise ValueError(f"MoEFoldStrategy({name}='fp32') needs fp32 main params: with bf16 main params "
                                      "(fp32_main_params=False or main_params_dtype='bf16') the optimizer steps in bf16")
+        # fp32 moments are what fp32 main params step anyway: not a change of dtype
+        avg, avg_sq = (None if d == torch.float32 else d for d in (avg, avg_sq))
         return cls(distributed_optimizer, overlap_param_gather, fp32_main_params, avg, avg_sq,
                    parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload), main == torch.bfloat16)
 
