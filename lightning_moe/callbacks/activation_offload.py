@@ -48,6 +48,7 @@ class HostActivations:
         self.device, self.min_bytes = device, min_bytes
         self.out, self.back = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self.groups: list[list[_Offloaded]] = []
+        self._used: set[int] = set()  # groups backward has started on
 
     def new_group(self) -> None:
         self.groups.append([])
@@ -65,9 +66,10 @@ class HostActivations:
         self.groups[-1].append(item)
         return item
 
-    def _load(self, group: int) -> None:
-        for item in self.groups[group]:
-            if item.device is not None or item.loaded is not None:
+    def _load(self, items) -> None:
+        """Start copying back the items not on their way yet (``loaded`` is None: never loaded, or handed out)."""
+        for item in items:
+            if item.loaded is not None:
                 continue
             with torch.cuda.stream(self.back):
                 self.back.wait_event(item.copied)
@@ -76,19 +78,22 @@ class HostActivations:
             item.loaded = self.back.record_event()
 
     def reload(self, item: _Offloaded) -> torch.Tensor:
-        self._load(item.group)  # no-op when prefetched
-        # the last earlier block with offloaded tensors, which backward reaches next: its copy overlaps this block's
-        earlier = next((g for g in range(item.group - 1, -1, -1) if self.groups[g]), None)
-        if earlier is not None:
-            self._load(earlier)
+        if item.group in self._used:
+            self._load([item])  # prefetched (a no-op), or handed out before and needed again
+        else:  # a group's first use loads all of it, and prefetches the last earlier group, which backward reaches next
+            self._used.add(item.group)
+            self._load(self.groups[item.group])
+            earlier = next((g for g in range(item.group - 1, -1, -1) if self.groups[g]), None)
+            if earlier is not None:
+                self._load(self.groups[earlier])
         current = torch.cuda.current_stream(self.device)
         current.wait_event(item.loaded)
-        t, item.device = item.device, None
+        t, item.device, item.loaded = item.device, None, None  # handed out (a second unpack reloads it)
         t.record_stream(current)  # allocated on the reload stream, used and freed on the compute stream
         return t
 
     def clear(self) -> None:
-        self.groups = []
+        self.groups, self._used = [], set()
 
 
 class ActivationOffload(L.Callback):

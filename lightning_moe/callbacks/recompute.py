@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.callbacks.saved_tensors import policy_of
+from lightning_moe.callbacks.wrap_forward import unwrap_forward, wrap_forward
 from lightning_moe.modules import replay
 from lightning_moe.strategy.pipeline.partition import partition_layers
 
@@ -148,15 +149,16 @@ class Recompute(L.Callback):
         return out
 
     def _checkpoint(self, module: nn.Module) -> None:
-        forward = module.forward
+        def make(forward):
+            def recomputed(*args, **kwargs):
+                if not torch.is_grad_enabled():  # evaluation: nothing to keep or rebuild
+                    return forward(*args, **kwargs)
+                return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+            return recomputed
 
-        def recomputed(*args, **kwargs):
-            if not torch.is_grad_enabled():  # evaluation: nothing to keep or rebuild
-                return forward(*args, **kwargs)
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
-
-        module.forward = recomputed
-        self._restore.append((module, forward))
+        # innermost: another callback's saved-tensor hooks around the block must stay outside the checkpoint, whose
+        # own hooks then apply inside it (hooks nested the other way would hide the checkpoint's)
+        self._restore.append((module, wrap_forward(module, make, innermost=True)))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         policy_of(pl_module).stats.clear()
@@ -170,8 +172,8 @@ class Recompute(L.Callback):
         pl_module.log("memory/recomputed_gib", torch.tensor(kept_off / 2**30), on_step=True, logger=True)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        for module, forward in reversed(self._restore):
-            module.forward = forward
+        for module, wrapper in reversed(self._restore):
+            unwrap_forward(module, wrapper)
         self._restore = []
         policy = getattr(pl_module, "_lmoe_saved_tensors", None)
         if policy is not None:

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from lightning_moe.callbacks.wrap_forward import unwrap_forward, wrap_forward
 from lightning_moe.modules import replay
 
 
@@ -102,30 +103,30 @@ class SavedTensorPolicy:
         self._open: list[list[_Saved]] = []  # saved inside the marked modules now running (their own outputs?)
         self._offloading: list[str] = []  # the offload marks now running
         self._handles: list = []
-        self._wrapped: list[tuple[nn.Module, Callable]] = []
+        self._wrapped: list[tuple[nn.Module, Callable]] = []  # (block, our wrapper of its forward)
 
     # ------------------------------------------------------------------ marks
     def wrap_block(self, block: nn.Module) -> None:
         """Install the hooks for the forward of ``block`` (once per block)."""
         if any(b is block for b, _ in self._wrapped):
             return
-        forward = block.forward
 
-        def wrapped(*args, **kwargs):
-            self._outputs.clear()
-            self._open.clear()
-            if self.offloader is not None:
-                self.offloader.new_group()  # one group of offloaded tensors per block forward
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                try:
-                    return forward(*args, **kwargs)
-                finally:
-                    self._outputs.clear()
-                    self._open.clear()
-                    self._offloading.clear()
+        def make(forward):
+            def wrapped(*args, **kwargs):
+                self._outputs.clear()
+                self._open.clear()
+                if self.offloader is not None and torch.is_grad_enabled():
+                    self.offloader.new_group()  # one group of offloaded tensors per block forward
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    try:
+                        return forward(*args, **kwargs)
+                    finally:
+                        self._outputs.clear()
+                        self._open.clear()
+                        self._offloading.clear()
+            return wrapped
 
-        block.forward = wrapped
-        self._wrapped.append((block, forward))
+        self._wrapped.append((block, wrap_forward(block, make)))
 
     def mark_recompute(self, module: nn.Module, name: str) -> None:
         def before(mod, args):
@@ -161,8 +162,8 @@ class SavedTensorPolicy:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-        for block, forward in self._wrapped:
-            block.forward = forward
+        for block, wrapper in self._wrapped:
+            unwrap_forward(block, wrapper)
         self._handles, self._wrapped = [], []
 
     # ------------------------------------------------------------------ the hooks

@@ -262,10 +262,10 @@ class TopKRouter(nn.Module):
             loss = switch_load_balancing_loss(scores_SX, tpe_BE.reshape(B * E), total, K, E, coeff) / B
             return loss * ctx.size("cp")
         if cfg.load_balancing == "global_aux_loss":
-            tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_dp_cp")
             if replay.replaying():  # the first pass's window: later micro-batches have moved the counters since
-                averaged_E = self._replayed.pop(0)
+                averaged_E = self._replayed.pop(0)  # (and no all-reduce: every rank replays alike)
             else:
+                tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_dp_cp")
                 with torch.no_grad():
                     self.global_tokens_per_expert += tpe_E
                     self.global_aux_steps += 1

@@ -44,8 +44,8 @@ def _optimizer_tensor_names(module: nn.Module, main_params) -> dict[int, tuple[s
     return names
 
 
-def _param_shapes(module: nn.Module) -> dict[str, tuple]:
-    return {n: tuple(p.shape) for n, p in module.named_parameters()}
+def _params(module: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(module.named_parameters())
 
 
 def _order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -63,7 +63,7 @@ def _state_pieces(module, ctx, i: int, entries: list[tuple[str, Optional[tuple],
     optimizer steps)``; None when one cannot be resharded (no parameter name, or shaped neither like what the
     optimizer steps nor 0-d, e.g. factored moments)."""
     pieces, shaped = [], defaultdict(dict)
-    shapes = None
+    params = None
     for k, info, v, p in entries:
         if info is None:
             return None
@@ -73,8 +73,9 @@ def _state_pieces(module, ctx, i: int, entries: list[tuple[str, Optional[tuple],
         elif tuple(v.shape) != tuple(p.shape):
             return None
         elif lo is not None:  # a distributed-optimizer slice of the parameter
-            shapes = shapes or _param_shapes(module)
-            pieces += range_pieces(module, ctx, name, shapes[name], lo, hi, v.detach(), prefix=_key(i, k))
+            params = params or _params(module)
+            pieces += range_pieces(module, ctx, name, params[name].shape, lo, hi, v.detach(), prefix=_key(i, k),
+                                   params=params)
         else:
             shaped[k][name] = v
     for k, tensors in shaped.items():  # sharded like their parameters
@@ -91,9 +92,10 @@ def split_checkpoint(checkpoint: dict, module: nn.Module, ctx, optimizers: Seque
     from_mains = main_params.main_weight_names(module) if hasattr(main_params, "slots") else set()
     pieces = model_pieces(module, ctx, tensors={k: v for k, v in tensors.items() if k not in from_mains})
     if from_mains:  # fp32 main weights held in slices by the distributed optimizer: each rank writes its own
-        shapes = _param_shapes(module)
+        params = _params(module)
         for slot in main_params.main_weight_slots():
-            pieces += range_pieces(module, ctx, slot.name, shapes[slot.name], slot.lo, slot.hi, slot.tensor.detach())
+            pieces += range_pieces(module, ctx, slot.name, params[slot.name].shape, slot.lo, slot.hi,
+                                   slot.tensor.detach(), params=params)
     out["state_dict"] = {k: v for k, v in sd.items() if k not in tensors}
     info = {"state_dict_keys": sorted(tensors), "optimizer_in_dcp": []}
     states = checkpoint.get("optimizer_states")

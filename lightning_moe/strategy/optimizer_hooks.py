@@ -105,13 +105,14 @@ class OptimizerHooks:
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if checkpoint.get("optimizer_states", ()) is None:  # resharded: keep the fresh optimizer state
             return
+        if self._sharded is not None:  # each state tensor straight to its slot's device and stored dtype
+            for state in checkpoint["optimizer_states"]:
+                self._sharded.load_state(state)
+            return
         super().load_optimizer_state_dict(checkpoint)
-        if self._sharded is not None:  # torch casts state to the stepped dtype, Lightning moves it to the GPU
-            self._sharded.after_state_load()
 
     def _teardown_optimizer_state(self) -> None:
         if self._sharded is not None:
-            self._sharded.to(torch.device("cpu"))
             self._sharded.release()
         if self._grad_sync is not None:
             self._grad_sync.release()

@@ -71,6 +71,11 @@ class HostCopies:
         self._grads_done = None
         self.weights_done: Optional[torch.cuda.Event] = None  # the last copy of new weights to the device
 
+    def release(self) -> None:
+        """Unpin the host buffers (they stay valid as ordinary memory) and drop the streams."""
+        unregister(self._pinned)
+        self.stream = self._out = self._grads_done = self.weights_done = None
+
     def grads_out(self) -> None:
         """Start copying the (synced, clipped) gradients to the host, after the compute stream's work on them."""
         if not self.slots:

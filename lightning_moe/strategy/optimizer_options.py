@@ -64,31 +64,31 @@ class OptimizerOptions:
                                  f"fp32_main_params={fp32_main_params!r}; give one of them")
             fp32_main_params = want
         avg, avg_sq = parse_dtype("exp_avg_dtype", exp_avg_dtype), parse_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
-        if fp32_main_params is False:
-            for name, d in (("exp_avg_dtype", avg), ("exp_avg_sq_dtype", avg_sq)):
-                if d == torch.float32:
-                    raise ValueError(f"MoEFoldStrategy({name}='fp32') needs fp32 main params: with bf16 main params "
-                                     "(fp32_main_params=False or main_params_dtype='bf16') the optimizer steps in bf16")
-        # fp32 moments are what fp32 main params step anyway: not a change of dtype
-        avg, avg_sq = (None if d == torch.float32 else d for d in (avg, avg_sq))
         return cls(distributed_optimizer, overlap_param_gather, fp32_main_params, avg, avg_sq,
                    parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload), main == torch.bfloat16)
 
     @property
     def sharded(self) -> bool:
-        """Whether the optimizer steps flat slices (the distributed optimizer, or the precision-aware or offloaded
-        state, which use the same machinery over whole buckets without it)."""
-        return (self.distributed or self.cpu_offload > 0 or self.exp_avg_dtype is not None
-                or self.exp_avg_sq_dtype is not None)
+        """Whether the optimizer steps flat slices (the distributed optimizer, or bf16 or offloaded state, which use
+        the same machinery over whole buckets without it). fp32 moments are what fp32 main params step anyway."""
+        return self.distributed or self.cpu_offload > 0 or torch.bfloat16 in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
-        """State key -> the dtype it is stored in (keys absent: the dtype the optimizer steps)."""
+        """State key -> the dtype it is stored in, where that differs from fp32 (keys absent: the dtype the
+        optimizer steps)."""
         out = {}
         for option, keys in STATE_KEYS.items():
             d = getattr(self, option)
-            if d is not None:
+            if d is not None and d != torch.float32:
                 out.update({k: d for k in keys})
         return out
+
+    def check_state_dtypes(self, bf16_main_params: bool) -> None:
+        """fp32 moments cannot be had where the optimizer steps bf16 main params."""
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if bf16_main_params and getattr(self, name) == torch.float32:
+                raise ValueError(f"MoEFoldStrategy({name}='fp32') needs fp32 main params: with bf16 main params "
+                                 "(fp32_main_params=False or main_params_dtype='bf16') the optimizer steps in bf16")
 
     def check_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """Refuse an optimizer these options cannot drive, naming the option."""
@@ -101,7 +101,7 @@ class OptimizerOptions:
                              "not known to be one (e.g. factored or matrix-wise updates need whole tensors). If it is, "
                              "set its attribute elementwise_step = True.")
         for option, classes in HAS_KEYS.items():
-            if getattr(self, option) is not None and not isinstance(opt, classes):
+            if getattr(self, option) not in (None, torch.float32) and not isinstance(opt, classes):
                 raise ValueError(f"MoEFoldStrategy({option}=...) sets the dtype of the optimizer state "
                                  f"{'/'.join(STATE_KEYS[option])}, which {cls.__name__} does not keep (Adam-style "
                                  "optimizers do)")

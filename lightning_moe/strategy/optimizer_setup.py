@@ -36,6 +36,7 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
     """Before the optimizer has any state: ``(gradient sync, main params or None, sharded optimizer or None)``."""
     low = has_low_precision_params(optimizers)
     use_main = options.main_params_fp32 if options.main_params_fp32 is not None else low
+    options.check_state_dtypes(bf16_main_params=low and not use_main)
     if options.bf16_main_params_asked and not low:
         raise ValueError("MoEFoldStrategy(main_params_dtype='bf16') only applies to bf16 or fp16 weights "
                          "(precision='bf16-true'); this model's optimized weights are fp32")

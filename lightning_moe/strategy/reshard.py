@@ -61,12 +61,13 @@ def _tp_pieces(name: str, t: torch.Tensor, dim: int, parts: int, rank: int, size
     return pieces
 
 
-def model_pieces(model: nn.Module, ctx, prefix: str = "", tensors: Optional[dict] = None) -> list[Piece]:
+def model_pieces(model: nn.Module, ctx, prefix: str = "", tensors: Optional[dict] = None,
+                 params: Optional[dict] = None) -> list[Piece]:
     """The logical blocks of every tensor of ``model.state_dict()`` this rank holds. ``tensors`` stands in for the
     state dict's tensors (same names and shapes, e.g. fp32 main copies of bf16 weights); the module still tells how
     each one is sharded."""
     pieces = []
-    params = dict(model.named_parameters())
+    params = params if params is not None else dict(model.named_parameters())
     source = tensors if tensors is not None else model.state_dict(keep_vars=True)
     for name, t in source.items():
         t = t.detach()
@@ -82,13 +83,13 @@ def model_pieces(model: nn.Module, ctx, prefix: str = "", tensors: Optional[dict
 
 
 def range_pieces(model: nn.Module, ctx, name: str, shape, lo: int, hi: int, data: torch.Tensor,
-                 prefix: str = "") -> list[Piece]:
+                 prefix: str = "", params: Optional[dict] = None) -> list[Piece]:
     """The logical blocks of elements ``[lo, hi)`` (flat, C order) of this rank's tensor ``name`` (local ``shape``),
     whose values are the 1-D ``data``: a distributed-optimizer slice. The slice splits into rectangular blocks
     (``flat_boxes``), each cut by the blocks the tensor maps to in the logical tensor (``model_pieces``)."""
     template = torch.empty(tuple(shape), device="meta")
     blocks = [(b, unravel(b.local.storage_offset(), shape), tuple(b.local.shape))
-              for b in model_pieces(model, ctx, prefix=prefix, tensors={name: template})]
+              for b in model_pieces(model, ctx, prefix=prefix, tensors={name: template}, params=params)]
     out = []
     for off, size, start in flat_boxes(shape, lo, hi):
         box = data[start - lo:start - lo + math.prod(size)].view(size)

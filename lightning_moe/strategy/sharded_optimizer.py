@@ -70,6 +70,17 @@ class _Bucket:
     pending: list = field(default_factory=list)  # work handles or CUDA events the next forward waits for
 
 
+def _step_hooks(opt: torch.optim.Optimizer, pre: bool):
+    """The step hooks torch runs around ``Optimizer.step`` (global and this optimizer's), in torch's order; None where
+    this torch keeps them elsewhere."""
+    from torch.optim import optimizer as torch_optimizer
+    glob = getattr(torch_optimizer, "_global_optimizer_pre_hooks" if pre else "_global_optimizer_post_hooks", None)
+    own = getattr(opt, "_optimizer_step_pre_hooks" if pre else "_optimizer_step_post_hooks", None)
+    if glob is None or own is None:
+        return None
+    return [*glob.values(), *own.values()] if pre else [*own.values(), *glob.values()]
+
+
 class ShardedOptimizer:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, grad_sync: GradSync, ctx,
                  options: OptimizerOptions, main_fp32: bool, device: torch.device):
@@ -111,6 +122,10 @@ class ShardedOptimizer:
         self.device_slots = [s for s in self.slots if not s.host]
         self.host_slots = [s for s in self.slots if s.host]
         self._orig_step = optimizer.step
+        raw = getattr(type(optimizer).step, "__wrapped__", None)  # torch's step without its hook wrapper
+        # the step runs in parts (device, host, one bucket at a time): its hooks are run once around them, by us
+        self._hooks_outside = raw is not None and _step_hooks(optimizer, True) is not None
+        self._raw_step = (lambda: raw(optimizer)) if self._hooks_outside else self._orig_step
 
         def step(closure=None):
             return self._step_with_closure(closure)
@@ -184,15 +199,24 @@ class ShardedOptimizer:
     def step(self) -> None:
         if not self.grad_sync.had_main_grad:  # no backward ran in this step (e.g. training_step returned None)
             return
-        self.host.grads_out()  # after clipping, the compute stream's last work on the gradients
-        self._run(self.device_slots, host=False)
-        sep = [s for s in self.device_slots if not s.is_view]
-        if sep:
-            torch._foreach_copy_([s.weight() for s in sep], [s.tensor for s in sep])
-        if self.host_slots:
-            self.host.wait_grads()
-            self._run(self.host_slots, host=True)
-            self.host.weights_in()
+        self.wait_all()  # a bucket no forward waited for (weights used outside their module): before rewriting it
+        opt = self.opt
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
+            # the optimizer's step hooks run once around all the partial steps below, as around one step
+            for hook in _step_hooks(opt, pre=True) if self._hooks_outside else ():
+                hook(opt, (opt,), {})
+            self.host.grads_out()  # after clipping, the compute stream's last work on the gradients
+            self._run(self.device_slots, host=False)
+            sep = [s for s in self.device_slots if not s.is_view]
+            if sep:
+                torch._foreach_copy_([s.weight() for s in sep], [s.tensor for s in sep])
+            if self.host_slots:
+                self.host.wait_grads()
+                self._run(self.host_slots, host=True)
+                self.host.weights_in()
+            opt._opt_called = True  # what the LR scheduler's wrapper of the step records
+            for hook in _step_hooks(opt, pre=False) if self._hooks_outside else ():
+                hook(opt, (opt,), {})
         self._publish()
 
     def _run(self, slots: list[Slot], host: bool) -> None:
@@ -218,7 +242,7 @@ class ShardedOptimizer:
                 for gi, g in enumerate(groups):
                     g["params"] = [s.tensor for s in chunk if s.group == gi]
                 stash = self._upcast(chunk)
-                self._orig_step()
+                self._raw_step()
                 self._downcast(chunk, stash)
         finally:
             for g, (params, fused, foreach) in zip(groups, saved):
@@ -293,7 +317,7 @@ class ShardedOptimizer:
             gs = parts[n]
             local = zero.clone()
             if gs:
-                norms = torch.stack([x.float() for x in torch._foreach_norm(gs, norm_type)])
+                norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32))
                 local = norms.max() if inf else norms.pow(norm_type).sum()
             if n != "local":
                 local = self.ctx.all_reduce_(local, n, op=torch.distributed.ReduceOp.MAX if inf else
@@ -309,7 +333,8 @@ class ShardedOptimizer:
         total = self.grad_norm(norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         owned = [bk.sync.buffer[bk.sync.owned[0]:bk.sync.owned[1]] for bk in self.buckets]
-        torch._foreach_mul_(owned, coef.to(owned[0].dtype)) if owned else None
+        for dtype in {t.dtype for t in owned}:
+            torch._foreach_mul_([t for t in owned if t.dtype == dtype], coef.to(dtype))
         return total
 
     @torch.no_grad()
@@ -324,13 +349,14 @@ class ShardedOptimizer:
 
     def main_weight_names(self, module: nn.Module) -> set[str]:
         """Every parameter whose checkpoint values come from main copies (on whichever rank owns them)."""
+        stepped = {id(p) for bk in self.buckets for p in bk.sync.params}  # in the optimizer and trained
         return {n for n, p in module.named_parameters()
-                if p.dtype in LOW_PRECISION and self.main_fp32 and id(p) in self._in_optimizer}
+                if p.dtype in LOW_PRECISION and self.main_fp32 and id(p) in self._in_optimizer and id(p) in stepped}
 
     def load_templates(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """fp32 tensors to load the checkpoint's values of ``main_weight_names`` into (whole, local shapes)."""
-        return {n: p.detach().float().cpu() for n, p in module.named_parameters()
-                if n in self.main_weight_names(module)}
+        names = self.main_weight_names(module)
+        return {n: p.detach().float().cpu() for n, p in module.named_parameters() if n in names}
 
     @torch.no_grad()
     def load_from_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
@@ -353,32 +379,40 @@ class ShardedOptimizer:
             w = s.weight().to(s.tensor.device)
             s.tensor.copy_(torch.where(s.tensor.to(w.dtype) == w, s.tensor, w.to(s.tensor.dtype)))
 
-    def after_state_load(self) -> None:
-        """After ``optimizer.load_state_dict`` (which casts state to the stepped dtype and Lightning moves to the
-        device): restore the stored dtypes, and host slots' state to the host."""
-        for s in self.slots:
-            st = self.opt.state.get(s.tensor)
-            for k, v in list(st.items()) if st else ():
-                if not isinstance(v, torch.Tensor) or v.ndim == 0:
-                    continue
-                st[k] = v.to(device=s.tensor.device, dtype=self.state_dtypes.get(k, v.dtype))
+    @torch.no_grad()
+    def load_state(self, state_dict: dict) -> None:
+        """The optimizer's ``state_dict`` back, each state tensor going straight to its slot's device and stored dtype
+        (``Optimizer.load_state_dict`` would cast it to the stepped dtype on the slot's device, and Lightning then
+        moves all of it to the GPU: a full fp32 copy of the state on the GPU at resume, what offload avoids)."""
+        self.opt.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})  # groups, checked
+        order = [(t, bool(g.get("fused"))) for g in self.opt.param_groups for t in g["params"]]
+        for idx, st in state_dict["state"].items():
+            t, fused = order[int(idx)]
+            self.opt.state[t] = {k: (v.to(device=t.device, dtype=self.state_dtypes.get(k, t.dtype))
+                                     if isinstance(v, torch.Tensor) and v.ndim > 0
+                                     else v.to(device=t.device, dtype=torch.float32) if k == "step" and fused
+                                     and isinstance(v, torch.Tensor) else v)
+                                 for k, v in st.items()}
 
     @torch.no_grad()
-    def to(self, device: torch.device) -> None:
-        """Move the device main copies (e.g. to the CPU at teardown)."""
-        self.wait_all()
-        for s in self.device_slots:
-            if not s.is_view:
-                s.tensor.data = s.tensor.data.to(device)
-
     def release(self) -> None:
-        """End of training: hooks off, the optimizer's own step back. The host buffers stay (and stay pinned) as
-        long as the optimizer references them."""
+        """End of training: hooks off and the optimizer's own step back; the optimizer's tensors and state move to the
+        host (as Lightning moves a plain optimizer's state), gradient views and flat weight buffers are dropped, and
+        the host buffers are unpinned, so that nothing of it holds GPU or page-locked memory after ``fit``."""
         self.wait_all()
         for h in self._hooks:
             h.remove()
         self._hooks = []
         self.opt.step = self._orig_step
+        cpu = torch.device("cpu")
+        for s in self.slots:
+            s.tensor.grad = None
+            s.grad = None
+            if s.tensor.device != cpu:  # a view of the weights or a device main copy: an own host copy now
+                s.tensor.data = s.tensor.data.to(cpu)
+        for bk in self.buckets:
+            bk.weights, bk.pending = None, []
+        self.host.release()
 
     # ------------------------------------------------------------------ whole tensors (tests, debugging)
     @torch.no_grad()

@@ -71,7 +71,7 @@ def test_recompute_is_bit_identical(tmp_path, tokens, model, settings):
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def _outputs_held(lm, modules):
+def _outputs_held(lm, modules, callbacks=None):
     """Forward one micro-batch; then the bytes of each submodule's outputs that autograd still holds, by module."""
     refs = []
 
@@ -83,8 +83,8 @@ def _outputs_held(lm, modules):
         return hook
 
     handles = [m.register_forward_hook(grab(n)) for n, m in lm.model.named_modules() if ".layers." in f".{n}"]
-    cb = Recompute(modules) if modules else None
-    if cb is not None:
+    callbacks = callbacks if callbacks is not None else ([Recompute(modules)] if modules else [])
+    for cb in callbacks:
         cb.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(cuda_graphs=False)), lm)
     lm.train()
     tokens = torch.randint(0, lm.config.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
@@ -99,7 +99,7 @@ def _outputs_held(lm, modules):
     loss.backward()  # the recomputation runs (and must work) after the measurement
     for h in handles:
         h.remove()
-    if cb is not None:
+    for cb in callbacks:
         cb.teardown(None, lm, "fit")
     return held, stats
 
@@ -183,3 +183,16 @@ def test_out_of_range_layer_and_cuda_graphs_refused():
     with pytest.raises(ValueError, match="no 'mla_up_proj'"):
         Recompute(["mla_up_proj"]).on_fit_start(SimpleNamespace(strategy=SimpleNamespace(cuda_graphs=False)),
                                                 _lm(GQA))
+
+
+@pytest.mark.parametrize("order", ["fine_first", "full_first"])
+def test_whole_block_recompute_composes_with_block_hooks(order):
+    """A block recomputed whole inside another callback's saved-tensor hooks: the checkpoint goes under them, whatever
+    the order, so it still keeps nothing inside the block (hooks nested the other way would hide the checkpoint's);
+    teardown, in any order, leaves the blocks' own forward."""
+    import re
+    lm = _lm(GQA)
+    callbacks = [Recompute(["layernorm"]), Recompute(["full"])]
+    held, _ = _outputs_held(lm, None, callbacks if order == "fine_first" else callbacks[::-1])
+    assert not [k for k in held if re.search(r"layers\.\d+\.", k)], held
+    assert all("forward" not in vars(block) for block in lm.model.layers)

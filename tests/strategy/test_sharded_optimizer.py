@@ -77,7 +77,6 @@ def _opts(**kw):
     (dict(optimizer_cpu_offload="half"), r"optimizer_cpu_offload='half'"),
     (dict(distributed_optimizer="yes"), r"distributed_optimizer='yes'"),
     (dict(main_params_dtype="bf16", fp32_main_params=True), r"contradicts"),
-    (dict(main_params_dtype="bf16", exp_avg_dtype="fp32"), r"exp_avg_dtype='fp32'.*fp32 main params"),
 ])
 def test_bad_options_name_the_option(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -286,3 +285,12 @@ def test_offload_without_pinned_memory_fails_naming_the_option(monkeypatch):
     with pytest.raises(RuntimeError, match=r"optimizer_cpu_offload=0.5.*pinned host memory.*CUDA error 3"):
         check_pinned_memory(torch.device("cuda"), 0.5)
     check_pinned_memory(torch.device("cpu"), 0.5)  # CPU devices: the state is on the host already
+
+
+def test_fp32_moments_with_bf16_main_params_refused():
+    """Decided where the weights' dtype is known: bf16 main params step bf16 moments; for fp32 weights it is fine."""
+    options = _opts(main_params_dtype="bf16", exp_avg_dtype="fp32")
+    with pytest.raises(ValueError, match=r"exp_avg_dtype='fp32'.*fp32 main params"):
+        options.check_state_dtypes(bf16_main_params=True)
+    options.check_state_dtypes(bf16_main_params=False)
+    assert not _opts(exp_avg_dtype="fp32").sharded and _opts(exp_avg_dtype="bf16").sharded
