@@ -1,0 +1,135 @@
+"""FP8 quantization with Megatron's recipes, and FP8 GEMMs (torch's ``_scaled_mm`` where it runs, emulated otherwise).
+
+A GEMM ``a_MK @ b_NK^T`` quantizes both operands along its reduction dimension K, each in scale blocks (``Tiling``):
+
+  recipe       activations / gradients      weights          formats
+  tensorwise   one scale (current amax)      one scale        E4M3 forward, E5M2 gradients (Megatron's "hybrid")
+  delayed      one scale from the max of the last ``history`` amaxes (``AmaxHistory``)    as tensorwise
+  rowwise      one per row (1 x K)           one per row      E4M3 everywhere (torchao's rowwise)
+  blockwise    1 x 128 tiles                 128 x 128        E4M3 everywhere (DeepSeek-V3)
+
+A scale maps a block's amax to the format's largest value (``fmt_max / amax``); values are saturated, then rounded to
+nearest. Emulation dequantizes and multiplies in fp32: the same quantized inputs as the kernels, fp32 accumulation.
+
+Shapes: R rows of an operand, K its reduction dimension (columns), M/N the GEMM's output rows/columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+BLOCK = 128  # blockwise tiles
+_TINY = 1e-12  # an all-zero block gets scale fmt_max / _TINY: any value maps to zero anyway
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Scale blocks of a (rows x K) operand: ``rows`` x ``cols`` elements each; None spans the whole dimension."""
+    rows: Optional[int]
+    cols: Optional[int]
+
+
+def tiling(recipe: str, role: str) -> Tiling:
+    """The scale blocks a recipe gives an operand of ``role`` (``input``, ``weight`` or ``grad``)."""
+    if recipe in ("tensorwise", "delayed"):
+        return Tiling(None, None)
+    if recipe == "rowwise":
+        return Tiling(1, None)
+    if recipe == "blockwise":
+        return Tiling(BLOCK, BLOCK) if role == "weight" else Tiling(1, BLOCK)
+    raise ValueError(f"unknown FP8 recipe {recipe!r}; valid: {', '.join(RECIPES)}")
+
+
+def formats(recipe: str) -> tuple[str, str]:
+    """(format of inputs and weights, format of gradients)."""
+    return ("e4m3", "e5m2") if recipe in ("tensorwise", "delayed") else ("e4m3", "e4m3")
+
+
+def _blocks(x_RK: torch.Tensor, t: Tiling) -> tuple[int, int]:
+    R, K = x_RK.shape
+    rb, cb = t.rows or R, t.cols or K
+    if R % rb or K % cb:
+        raise ValueError(f"FP8: a {R} x {K} operand does not split into {rb} x {cb} scale blocks (dimensions must be "
+                         f"multiples of {cb if K % cb else rb})")
+    return rb, cb
+
+
+def block_amax(x_RK: torch.Tensor, t: Tiling) -> torch.Tensor:
+    """The amax of each scale block: shape (R / rows, K / cols), fp32."""
+    R, K = x_RK.shape
+    rb, cb = _blocks(x_RK, t)
+    return x_RK.detach().abs().float().reshape(R // rb, rb, K // cb, cb).amax(dim=(1, 3))
+
+
+def _expand(s: torch.Tensor, x_RK: torch.Tensor, t: Tiling) -> torch.Tensor:
+    rb, cb = _blocks(x_RK, t)
+    return s.repeat_interleave(rb, 0).repeat_interleave(cb, 1)
+
+
+def quantize(x_RK: torch.Tensor, fmt: str, t: Tiling,
+             amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_RK in FP8, scale)``: ``q = saturate(x * scale)`` per block, ``scale = fmt_max / amax`` (``amax`` given:
+    delayed scaling, or reduced over ranks). ``scale`` has one entry per block."""
+    dtype, fmax = FORMATS[fmt]
+    amax = block_amax(x_RK, t) if amax is None else amax.float().reshape(block_amax_shape(x_RK, t))
+    scale = fmax / amax.clamp_min(_TINY)
+    q = (x_RK.float() * _expand(scale, x_RK, t)).clamp_(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def block_amax_shape(x_RK: torch.Tensor, t: Tiling) -> tuple[int, int]:
+    R, K = x_RK.shape
+    rb, cb = _blocks(x_RK, t)
+    return R // rb, K // cb
+
+
+def dequantize(q_RK: torch.Tensor, scale: torch.Tensor, t: Tiling) -> torch.Tensor:
+    return q_RK.float() / _expand(scale, q_RK, t)
+
+
+def _kernel_scales(t: Tiling, scale: torch.Tensor, lhs: bool) -> Optional[torch.Tensor]:
+    """``_scaled_mm``'s dequantization scales for tensorwise ((1, 1)) and rowwise tilings ((M, 1) / (1, N))."""
+    if t == Tiling(None, None):
+        return scale.reciprocal().reshape(())
+    if t == Tiling(1, None):
+        inv = scale.reciprocal()
+        return inv.reshape(-1, 1) if lhs else inv.reshape(1, -1)
+    return None  # blockwise: emulated
+
+
+def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, ta: Tiling, tb: Tiling, fmt_a: str, fmt_b: str,
+           out_dtype: torch.dtype, emulate: bool = False, amax_a: Optional[torch.Tensor] = None,
+           amax_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b^T`` with both operands quantized to FP8 along K. ``torch._scaled_mm`` for tensorwise and rowwise
+    tilings (CUDA and CPU), emulated otherwise or when ``emulate``."""
+    qa, sa = quantize(a_MK, fmt_a, ta, amax_a)
+    qb, sb = quantize(b_NK, fmt_b, tb, amax_b)
+    scale_a, scale_b = _kernel_scales(ta, sa, True), _kernel_scales(tb, sb, False)
+    kernel = not emulate and scale_a is not None and scale_b is not None and (fmt_a, fmt_b) != ("e5m2", "e5m2")
+    if kernel and scale_a.ndim == scale_b.ndim:
+        return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return (dequantize(qa, sa, ta) @ dequantize(qb, sb, tb).t()).to(out_dtype)
+
+
+class AmaxHistory:
+    """Delayed scaling's memory of one operand: the last ``length`` amaxes; the scale of a step comes from their
+    max (the current amax enters the history after use, as in Transformer Engine). Kept on the device: no sync."""
+
+    def __init__(self, length: int = 16):
+        if length < 1:
+            raise ValueError(f"FP8 delayed scaling: amax history length must be >= 1, got {length}")
+        self.length, self.history = length, None
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        """The amax to scale ``x`` with (its own the first time), recording its current one."""
+        current = x.detach().abs().amax().float().reshape(1)
+        if self.history is None:
+            self.history = current.repeat(self.length)
+        used = self.history.amax()
+        self.history = torch.cat([current, self.history[:-1]])
+        return used
