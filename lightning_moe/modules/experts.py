@@ -48,6 +48,10 @@ class GroupedMM(nn.Module):
     callbacks find their inputs (activation offload) and low-precision GEMMs can be swapped in. No parameters."""
 
     def forward(self, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
+        return self._mm(x_MK, w_LKN, offs_L)
+
+    def _mm(self, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
+        """The GEMM: the place where low-precision GEMMs are swapped in (``FP8Training``)."""
         return grouped_mm(x_MK, w_LKN, offs_L)
 
 

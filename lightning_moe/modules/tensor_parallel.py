@@ -180,7 +180,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
             x_BSD = enter_tp_region(x_BSD, self.ctx, self.sequence_parallel)
-        return F.linear(x_BSD, self.weight)
+        return self._mm(x_BSD, self.weight)
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The GEMM: the place where low-precision GEMMs are swapped in (``FP8Training``)."""
+        return F.linear(x, w)
 
 
 class RowParallelLinear(nn.Module):
@@ -205,8 +209,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x_BSF: torch.Tensor) -> torch.Tensor:
         group = self.ctx.group("tp")
-        y_BSD = F.linear(x_BSF, self.weight)
+        y_BSD = self._mm(x_BSF, self.weight)
         return reduce_scatter_seq(y_BSD, group) if self.sequence_parallel else reduce_from_tp(y_BSD, group)
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The GEMM: the place where low-precision GEMMs are swapped in (``FP8Training``)."""
+        return F.linear(x, w)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_moe.modules.nvfp4 import (apply_along_rows, dequantize, fake_quantize, hadamard, quantize,
-                                         random_hadamard, round_e2m1, tensor_scale)
+                                         random_hadamard, round_e2m1)
 
 
 def test_round_to_nearest_even_and_saturate():
