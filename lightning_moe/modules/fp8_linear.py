@@ -1,0 +1,94 @@
+"""FP8 GEMMs with their backward: the dense linear ``x W^T`` (attention projections, dense FFN, shared experts, head).
+
+Each of the three GEMMs of a layer (forward, dgrad, wgrad) quantizes its two operands along its own reduction
+dimension with the recipe's tiling (``fp8.py``); the high-precision operands are kept for backward, as torchao does.
+
+Scales must not depend on the layout either. Where tensor (or expert-tensor) parallelism splits an operand, the amax
+behind a scale is all-reduced (max) over that group: for tensorwise and delayed scaling whenever the operand is split,
+for rowwise when the split runs along the quantized dimension; blockwise tiles never straddle ranks (the split sizes
+must be multiples of 128). ``split``: which dimension of the layer the group splits, ``"out"`` (column-parallel,
+N) or ``"in"`` (row-parallel, K).
+
+Shapes: M rows (tokens), K input features, N output features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe.modules.fp8 import AmaxHistory, Tiling, block_amax, formats, fp8_mm, tiling
+
+
+@dataclass
+class FP8Spec:
+    """How one layer's GEMMs run in FP8."""
+    recipe: str
+    emulate: bool = False
+    group: Optional[dist.ProcessGroup] = None  # the TP / ETP group splitting this layer, if any
+    split: Optional[str] = None  # "out" or "in"
+    history: int = 16  # delayed scaling's amax window
+    histories: dict = field(default_factory=dict)  # operand -> AmaxHistory (delayed)
+
+    def amax(self, name: str, x_RK: torch.Tensor, t: Tiling, split_rows: bool, split_cols: bool
+             ) -> Optional[torch.Tensor]:
+        """The amax behind operand ``name``'s scales, reduced over the group where the split would change it; None
+        when the plain per-block amax of ``x`` is right."""
+        whole = t == Tiling(None, None)
+        reduce = self.group is not None and ((whole and (split_rows or split_cols)) or
+                                             (t == Tiling(1, None) and split_cols))
+        if self.recipe == "delayed":
+            local = x_RK.detach().abs().amax().float().reshape(1)
+            if reduce:
+                dist.all_reduce(local, dist.ReduceOp.MAX, group=self.group)
+            h = self.histories.setdefault(name, AmaxHistory(self.history))
+            return h.amax(local)
+        if not reduce:
+            return None
+        a = block_amax(x_RK, t)
+        dist.all_reduce(a, dist.ReduceOp.MAX, group=self.group)
+        return a
+
+
+def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str], fmts: tuple[str, str],
+        splits_a: tuple[bool, bool], splits_b: tuple[bool, bool], out_dtype) -> torch.Tensor:
+    ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
+    amax_a = spec.amax(names[0], a_MK, ta, *splits_a)
+    amax_b = spec.amax(names[1], b_NK, tb, *splits_b)
+    return fp8_mm(a_MK, b_NK, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, amax_a, amax_b)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_NK, spec: FP8Spec):
+        ctx.spec, ctx.shape = spec, x.shape
+        x_MK = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x_MK, w_NK)
+        fwd, _ = formats(spec.recipe)
+        col, row = spec.split == "out", spec.split == "in"
+        # x: K split under row-parallel; W: N split (column) or K split (row)
+        y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), (False, row), (col, row), x.dtype)
+        return y.reshape(*x.shape[:-1], w_NK.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_MK, w_NK = ctx.saved_tensors
+        spec = ctx.spec
+        fwd, bwd = formats(spec.recipe)
+        col, row = spec.split == "out", spec.split == "in"
+        dy_MN = dy.reshape(-1, dy.shape[-1])
+        # dgrad dx = dy W, reduced over N: dy's N split (column), W^T is K x N
+        dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), (False, col),
+                 (row, col), x_MK.dtype)
+        # wgrad dW = dy^T x, reduced over the tokens M (never split)
+        dw = _mm(spec, ("dy_t", "x_t"), dy_MN.t().contiguous(), x_MK.t().contiguous(), ("grad", "input"),
+                 (bwd, fwd), (col, False), (row, False), w_NK.dtype)
+        return dx.reshape(ctx.shape), dw, None
+
+
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torch.Tensor:
+    """``x W^T`` in FP8 (forward, dgrad and wgrad)."""
+    return _FP8Linear.apply(x, w_NK, spec)
