@@ -3,11 +3,11 @@
 Each of the three GEMMs of a layer (forward, dgrad, wgrad) quantizes its two operands along its own reduction
 dimension with the recipe's tiling (``fp8.py``); the high-precision operands are kept for backward, as torchao does.
 
-Scales must not depend on the layout either. Where tensor (or expert-tensor) parallelism splits an operand, the amax
-behind a scale is all-reduced (max) over that group: for tensorwise and delayed scaling whenever the operand is split,
-for rowwise when the split runs along the quantized dimension; blockwise tiles never straddle ranks (the split sizes
-must be multiples of 128). ``split``: which dimension of the layer the group splits, ``"out"`` (column-parallel,
-N) or ``"in"`` (row-parallel, K).
+Scales must not depend on the layout either. Where tensor (or expert-tensor) parallelism splits an operand's
+features, or data parallelism its tokens, the amax behind a scale is all-reduced (max) over that group: for
+tensorwise and delayed scaling whenever the operand is split, for rowwise when the split runs along the quantized
+dimension; blockwise tiles never straddle ranks (the split sizes must be multiples of 128). ``split``: which
+dimension of the layer the TP group splits, ``"out"`` (column-parallel, N) or ``"in"`` (row-parallel, K).
 
 Shapes: M rows (tokens), K input features, N output features.
 """
@@ -19,8 +19,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from lightning_moe.modules.fp8 import AmaxHistory, Tiling, block_amax, formats, fp8_mm, tiling
+from lightning_moe.modules.fp8 import BLOCK, AmaxHistory, Tiling, block_amax, formats, fp8_mm, tiling
 
 
 @dataclass
@@ -28,33 +29,38 @@ class FP8Spec:
     """How one layer's GEMMs run in FP8."""
     recipe: str
     emulate: bool = False
-    group: Optional[dist.ProcessGroup] = None  # the TP / ETP group splitting this layer, if any
-    split: Optional[str] = None  # "out" or "in"
+    group: Optional[dist.ProcessGroup] = None  # the TP / ETP group splitting this layer's features, if any
+    split: Optional[str] = None  # which features it splits: "out" or "in"
+    data_group: Optional[dist.ProcessGroup] = None  # the ranks splitting the tokens (dp x cp; edp for experts)
     history: int = 16  # delayed scaling's amax window
     histories: dict = field(default_factory=dict)  # operand -> AmaxHistory (delayed)
 
-    def amax(self, name: str, x_RK: torch.Tensor, t: Tiling, split_rows: bool, split_cols: bool
+    def amax(self, name: str, x_RK: torch.Tensor, t: Tiling, rows: Optional[str], cols: Optional[str]
              ) -> Optional[torch.Tensor]:
-        """The amax behind operand ``name``'s scales, reduced over the group where the split would change it; None
-        when the plain per-block amax of ``x`` is right."""
+        """The amax behind operand ``name``'s scales (quantized along its columns), all-reduced over the groups that
+        split it where a split would change it: ``rows``/``cols`` name what splits them, ``"tp"`` (``group``),
+        ``"data"`` (``data_group``) or None. A scale over the whole tensor changes with any split, one per row with a
+        split of the columns, tiles with none (they never straddle ranks). None: the local per-block amax is right."""
         whole = t == Tiling(None, None)
-        reduce = self.group is not None and ((whole and (split_rows or split_cols)) or
-                                             (t == Tiling(1, None) and split_cols))
+        groups = {"tp": self.group, "data": self.data_group}
+        reduce = [groups[k] for k in dict.fromkeys(
+            [g for g in ((rows, cols) if whole else (cols,) if t == Tiling(1, None) else ()) if g])
+            if groups[k] is not None]
         if self.recipe == "delayed":
             local = x_RK.detach().abs().amax().float().reshape(1)
-            if reduce:
-                dist.all_reduce(local, dist.ReduceOp.MAX, group=self.group)
-            h = self.histories.setdefault(name, AmaxHistory(self.history))
-            return h.amax(local)
+            for group in reduce:
+                dist.all_reduce(local, dist.ReduceOp.MAX, group=group)
+            return self.histories.setdefault(name, AmaxHistory(self.history)).amax(local)
         if not reduce:
             return None
         a = block_amax(x_RK, t)
-        dist.all_reduce(a, dist.ReduceOp.MAX, group=self.group)
+        for group in reduce:
+            dist.all_reduce(a, dist.ReduceOp.MAX, group=group)
         return a
 
 
 def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str], fmts: tuple[str, str],
-        splits_a: tuple[bool, bool], splits_b: tuple[bool, bool], out_dtype) -> torch.Tensor:
+        splits_a: tuple, splits_b: tuple, out_dtype) -> torch.Tensor:
     ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
     amax_a = spec.amax(names[0], a_MK, ta, *splits_a)
     amax_b = spec.amax(names[1], b_NK, tb, *splits_b)
@@ -68,9 +74,9 @@ class _FP8Linear(torch.autograd.Function):
         x_MK = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x_MK, w_NK)
         fwd, _ = formats(spec.recipe)
-        col, row = spec.split == "out", spec.split == "in"
-        # x: K split under row-parallel; W: N split (column) or K split (row)
-        y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), (False, row), (col, row), x.dtype)
+        col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
+        # x: tokens split over data ranks, K over TP (row-parallel); W: N (column) or K (row) over TP
+        y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row), x.dtype)
         return y.reshape(*x.shape[:-1], w_NK.shape[0])
 
     @staticmethod
@@ -78,14 +84,17 @@ class _FP8Linear(torch.autograd.Function):
         x_MK, w_NK = ctx.saved_tensors
         spec = ctx.spec
         fwd, bwd = formats(spec.recipe)
-        col, row = spec.split == "out", spec.split == "in"
+        col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         dy_MN = dy.reshape(-1, dy.shape[-1])
         # dgrad dx = dy W, reduced over N: dy's N split (column), W^T is K x N
-        dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), (False, col),
+        dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), ("data", col),
                  (row, col), x_MK.dtype)
-        # wgrad dW = dy^T x, reduced over the tokens M (never split)
-        dw = _mm(spec, ("dy_t", "x_t"), dy_MN.t().contiguous(), x_MK.t().contiguous(), ("grad", "input"),
-                 (bwd, fwd), (col, False), (row, False), w_NK.dtype)
+        # wgrad dW = dy^T x, reduced over the tokens M (never split); blockwise tiles of 128 tokens: zero rows pad M
+        # to a multiple (they add nothing to the product and change no tile's amax)
+        pad = (-x_MK.shape[0]) % BLOCK if spec.recipe == "blockwise" else 0
+        dy_pad, x_pad = (F.pad(dy_MN, (0, 0, 0, pad)), F.pad(x_MK, (0, 0, 0, pad))) if pad else (dy_MN, x_MK)
+        dw = _mm(spec, ("dy_t", "x_t"), dy_pad.t().contiguous(), x_pad.t().contiguous(), ("grad", "input"),
+                 (bwd, fwd), (col, "data"), (row, "data"), w_NK.dtype)
         return dx.reshape(ctx.shape), dw, None
 
 

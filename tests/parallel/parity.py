@@ -52,6 +52,7 @@ class Case:
     tol: Optional[dict] = None  # per-case tolerances (bf16 compute differs by layout in its rounding)
     lr: float = 1e-2
     adam_eps: float = 1e-8
+    callbacks: tuple = ()  # callback factories (e.g. functools.partial(FP8Training, "rowwise")), on both sides
 
     @property
     def dp(self) -> int:
@@ -136,7 +137,8 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     trainer = L.Trainer(accelerator=ACCELERATOR, devices=devices, strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[rec], default_root_dir=root, precision=case.precision, num_sanity_val_steps=0,
+                        callbacks=[rec, *(make() for make in case.callbacks)], default_root_dir=root,
+                        precision=case.precision, num_sanity_val_steps=0,
                         limit_val_batches=0)
     model = MoELanguageModel(**model_kwargs(case))
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=SEQ, batch_size=bs, seed=3))

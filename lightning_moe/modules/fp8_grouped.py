@@ -1,0 +1,164 @@
+"""FP8 for the experts' grouped GEMM ``y_g = x_g W_g`` (forward, dgrad and wgrad), emulated: each GEMM's operands are
+quantized and dequantized with the recipe's scales along its reduction dimension, then multiplied by the same grouped
+GEMM in float32.
+
+Scales are per expert (tensorwise, delayed), per row (rowwise) or per tile (blockwise), always within one expert, so
+that expert parallelism changes none of them; where expert-tensor parallelism splits an operand's features, or the
+expert-data-parallel ranks its tokens, the amax is reduced over that group as for dense layers
+(``fp8_linear.FP8Spec``). The wgrad GEMM reduces over each expert's tokens: its scales are per expert and feature
+(rowwise) or per 128-token tile of an expert (blockwise, whose tiles then depend on the order of the expert's tokens,
+which the dispatcher's layout decides).
+
+Shapes: M routed rows (sorted by expert), K input features, N output features, L local experts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, formats, tiling
+from lightning_moe.modules.fp8_linear import FP8Spec
+
+
+def _fake(x: torch.Tensor, amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantize-dequantize ``x`` with the (broadcastable) amax of its block."""
+    dtype, fmax = FORMATS[fmt]
+    scale = fmax / amax.float().clamp_min(1e-12)
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
+def _reduced(amax: torch.Tensor, spec: FP8Spec, name: str, features: bool, tokens: bool = False) -> torch.Tensor:
+    """``amax`` max-reduced over the ETP group (``features``: the split runs through these blocks) and the expert's
+    data-parallel ranks (``tokens``: they hold other tokens of the same experts)."""
+    for reduce, group in ((features, spec.group), (tokens, spec.data_group)):
+        if reduce and group is not None:
+            dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
+    if spec.recipe == "delayed":
+        return spec.histories.setdefault(name, _History(spec.history)).update(amax)
+    return amax
+
+
+class _History:
+    """Delayed scaling for per-expert amaxes: the max over the last ``length`` steps, elementwise."""
+
+    def __init__(self, length: int):
+        self.length, self.past = length, None
+
+    def update(self, current: torch.Tensor) -> torch.Tensor:
+        if self.past is None:
+            self.past = current.unsqueeze(0).repeat(self.length, *([1] * current.ndim))
+        used = self.past.amax(0)
+        self.past = torch.cat([current.unsqueeze(0), self.past[:-1]])
+        return used
+
+
+def _rows_along_k(x_MK, gid_M, L: int, t: Tiling, fmt: str, spec: FP8Spec, name: str, split_k: bool):
+    """Activations along their features: one scale per expert, per row, or per 1 x 128 tile."""
+    M, K = x_MK.shape
+    a = x_MK.detach().abs().float()
+    if t == Tiling(None, None):  # per expert: its tokens are spread over the expert-data-parallel ranks
+        amax_L = torch.zeros(L, device=a.device).scatter_reduce(0, gid_M, a.amax(1), "amax", include_self=True)
+        return _fake(x_MK, _reduced(amax_L, spec, name, split_k, tokens=True)[gid_M].unsqueeze(1), fmt)
+    if t == Tiling(1, None):
+        return _fake(x_MK, _reduced(a.amax(1, keepdim=True), spec, name, split_k), fmt)
+    tiles = a.reshape(M, K // BLOCK, BLOCK).amax(2, keepdim=True)  # never straddles ranks
+    return _fake(x_MK.reshape(M, K // BLOCK, BLOCK), tiles, fmt).reshape(M, K)
+
+
+def _weights(w_LKN, along: str, t: Tiling, fmt: str, spec: FP8Spec, name: str, reduce: bool, split_along: bool):
+    """Each expert's weight along K (forward: the GEMM reduces over K) or along N (dgrad)."""
+    a = w_LKN.detach().abs().float()
+    dim = 1 if along == "K" else 2
+    if t == Tiling(None, None):
+        return _fake(w_LKN, _reduced(a.amax((1, 2), keepdim=True), spec, name, reduce), fmt)
+    if t == Tiling(1, None):
+        return _fake(w_LKN, _reduced(a.amax(dim, keepdim=True), spec, name, split_along), fmt)
+    L, K, N = w_LKN.shape
+    if K % BLOCK or N % BLOCK:
+        raise ValueError(f"FP8 blockwise: expert weights need dimensions that are multiples of {BLOCK}, got {K} x {N}")
+    tiles = a.reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK).amax((2, 4), keepdim=True)
+    return _fake(w_LKN.reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK), tiles, fmt).reshape(L, K, N)
+
+
+def _tokens_per_expert(x_MK, gid_M, starts_L, L: int, t: Tiling, fmt: str, spec: FP8Spec, name: str,
+                       split_k: bool):
+    """An operand of the wgrad GEMM, which reduces over each expert's tokens: scales per expert, per (expert,
+    feature) or per (128-token tile of an expert, feature)."""
+    M, K = x_MK.shape
+    a = x_MK.detach().abs().float()
+    if t == Tiling(None, None):
+        amax_L = torch.zeros(L, device=a.device).scatter_reduce(0, gid_M, a.amax(1), "amax", include_self=True)
+        return _fake(x_MK, _reduced(amax_L, spec, name, split_k, tokens=True)[gid_M].unsqueeze(1), fmt)
+    if t == Tiling(1, None):
+        amax_LK = torch.zeros(L, K, device=a.device).scatter_reduce(0, gid_M.unsqueeze(1).expand(M, K), a, "amax",
+                                                                     include_self=True)
+        return _fake(x_MK, _reduced(amax_LK, spec, name, False, tokens=True)[gid_M], fmt)
+    tile_M = gid_M * (M // BLOCK + 1) + (torch.arange(M, device=a.device) - starts_L[gid_M]) // BLOCK
+    amax_TK = torch.zeros(L * (M // BLOCK + 1), K, device=a.device).scatter_reduce(
+        0, tile_M.unsqueeze(1).expand(M, K), a, "amax", include_self=True)
+    return _fake(x_MK, amax_TK[tile_M], fmt)
+
+
+def _wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor) -> torch.Tensor:
+    """``dW_g = x_g^T dy_g`` for every expert: torch's grouped GEMM over the token dimension, or (float64, unaligned)
+    a scatter-add of outer products."""
+    L = offs_L.numel()
+    size = x_MK.element_size()
+    if x_MK.dtype in (torch.float32, torch.bfloat16) and (x_MK.shape[1] * size) % 16 == 0 \
+            and (dy_MN.shape[1] * size) % 16 == 0:
+        return F.grouped_mm(x_MK.t(), dy_MN, offs=offs_L.to(torch.int32))
+    out = torch.zeros(L, x_MK.shape[1], dy_MN.shape[1], dtype=x_MK.dtype, device=x_MK.device)
+    valid = torch.arange(x_MK.shape[0], device=x_MK.device) < offs_L[-1]
+    return out.index_add_(0, gid_M[valid], x_MK[valid].unsqueeze(2) * dy_MN[valid].unsqueeze(1))
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec):
+        from lightning_moe.modules.experts import grouped_mm
+        L, M = w_LKN.shape[0], x_MK.shape[0]
+        offs = offs_L.to(torch.int64)
+        gid_M = torch.bucketize(torch.arange(M, device=x_MK.device), offs, right=True).clamp_(max=L - 1)
+        ctx.save_for_backward(x_MK, w_LKN, offs_L, gid_M)
+        ctx.spec = spec
+        fwd, _ = formats(spec.recipe)
+        col, row = spec.split == "out", spec.split == "in"
+        xq = _rows_along_k(x_MK, gid_M, L, tiling(spec.recipe, "input"), fwd, spec, "x", row)
+        wq = _weights(w_LKN, "K", tiling(spec.recipe, "weight"), fwd, spec, "w", col or row, row)
+        return grouped_mm(xq, wq, offs_L).to(x_MK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        from lightning_moe.modules.experts import grouped_mm
+        x_MK, w_LKN, offs_L, gid_M = ctx.saved_tensors
+        spec = ctx.spec
+        L = w_LKN.shape[0]
+        fwd, bwd = formats(spec.recipe)
+        col, row = spec.split == "out", spec.split == "in"
+        # dgrad dx_g = dy_g W_g^T, reduced over N: dy's N split (column), W along N
+        dyq = _rows_along_k(dy_MN, gid_M, L, tiling(spec.recipe, "grad"), bwd, spec, "dy", col)
+        wq = _weights(w_LKN, "N", tiling(spec.recipe, "weight"), fwd, spec, "w_t", col or row, col)
+        dx = grouped_mm(dyq, wq.transpose(1, 2), offs_L).to(x_MK.dtype)
+        # wgrad dW_g = x_g^T dy_g, reduced over the expert's tokens
+        starts_L = torch.cat([offs_L.new_zeros(1), offs_L[:-1]]).to(torch.int64)
+        xq = _tokens_per_expert(x_MK, gid_M, starts_L, L, tiling(spec.recipe, "input"), fwd, spec, "x_t", row)
+        dyq = _tokens_per_expert(dy_MN, gid_M, starts_L, L, tiling(spec.recipe, "grad"), bwd, spec, "dy_t", col)
+        dw = _wgrad(xq, dyq, offs_L, gid_M).to(w_LKN.dtype)
+        return dx, dw, None, None
+
+
+def fp8_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec
+                   ) -> torch.Tensor:
+    """The experts' grouped GEMM in FP8 (emulated)."""
+    return _FP8GroupedMM.apply(x_MK, w_LKN, offs_L, spec)
+
+
+def check_dims(name: str, K: int, N: int, recipe: str) -> Optional[str]:
+    """Why a layer of K inputs and N outputs cannot run in FP8 with ``recipe`` (None: it can)."""
+    if recipe == "blockwise" and (K % BLOCK or N % BLOCK):
+        return f"{name}: {K} x {N} is not a multiple of the blockwise recipe's {BLOCK} x {BLOCK} tiles"
+    return None
