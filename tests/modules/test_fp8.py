@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_moe.modules.fp8 import (FORMATS, AmaxHistory, Tiling, block_amax, dequantize, fp8_mm, quantize,
-                                       tiling)
+from lightning_moe.modules.fp8 import FORMATS, AmaxHistory, Tiling, dequantize, fp8_mm, quantize, tiling
 
 
 def _x(R, K, seed=0, spread=True):
