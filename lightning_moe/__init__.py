@@ -3,6 +3,7 @@
 from lightning_moe.callbacks.activation_offload import ActivationOffload
 from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
 from lightning_moe.callbacks.fp8_training import FP8Training
+from lightning_moe.callbacks.nvfp4_training import NVFP4Training
 from lightning_moe.callbacks.loss_report import LossReport
 from lightning_moe.callbacks.recompute import Recompute
 from lightning_moe.callbacks.throughput import MoEThroughput
@@ -16,7 +17,8 @@ from lightning_moe.strategy import Layout, MoEFoldStrategy, ParallelContext, bui
 
 __all__ = [
     "ActivationOffload", "build_layout", "DispatchState", "ExpertLoadMonitor", "FP8Training", "Layout", "LossReport",
-    "ModelConfig", "MoEFoldStrategy", "MoELanguageModel", "MoEThroughput", "MoETransformer", "ParallelContext",
+    "ModelConfig", "MoEFoldStrategy", "MoELanguageModel", "MoEThroughput", "MoETransformer", "NVFP4Training",
+    "ParallelContext",
     "peak_flops", "Recompute", "TokenDataModule", "TokenDispatcher", "training_flops_per_token"
 ]
 __version__ = "0.1.0"

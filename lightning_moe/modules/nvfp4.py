@@ -59,12 +59,14 @@ def _tiles(x_RK: torch.Tensor, square: bool) -> tuple[int, int]:
 
 
 def quantize(x_RK: torch.Tensor, square: bool = False, stochastic: bool = False,
-             generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             generator: Optional[torch.Generator] = None, ts: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(E2M1 values as float, E4M3 block scales as float, the fp32 tensor scale)``: ``x ~ q * block / tensor``.
-    ``square``: 16 x 16 blocks (weights), else 1 x 16."""
+    ``square``: 16 x 16 blocks (weights), else 1 x 16. ``ts``: the tensor scale(s) to use, one for all or one per row
+    (e.g. per expert; a 16 x 16 block's rows must share theirs)."""
     R, K = x_RK.shape
     rb, cb = _tiles(x_RK, square)
-    ts = tensor_scale(x_RK)
+    ts = tensor_scale(x_RK) if ts is None else ts.float()
     xs = x_RK.float() * ts
     amax = xs.abs().reshape(R // rb, rb, K // cb, cb).amax(dim=(1, 3))
     block = (amax / FP4_MAX).clamp(max=SCALE_MAX).to(torch.float8_e4m3fn).float()  # stored in E4M3
@@ -79,9 +81,9 @@ def dequantize(q_RK: torch.Tensor, block: torch.Tensor, ts: torch.Tensor) -> tor
 
 
 def fake_quantize(x_RK: torch.Tensor, square: bool = False, stochastic: bool = False,
-                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                  generator: Optional[torch.Generator] = None, ts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize then dequantize (the emulation on hardware without FP4 tensor cores), in ``x``'s dtype."""
-    return dequantize(*quantize(x_RK, square, stochastic, generator)).to(x_RK.dtype)
+    return dequantize(*quantize(x_RK, square, stochastic, generator, ts)).to(x_RK.dtype)
 
 
 def hadamard(n: int = BLOCK, device=None) -> torch.Tensor:

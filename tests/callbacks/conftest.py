@@ -20,3 +20,10 @@ def one_thread():
 def token_file(tmp_path_factory):
     tokens = np.random.default_rng(0).integers(0, 256, 20_000)
     return write_tokens(str(tmp_path_factory.mktemp("tok") / "tok.bin"), tokens, "uint16")
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """A learnable token file (tests/parallel/parity.py's), once per module."""
+    from tests.parallel.parity import make_tokens
+    return make_tokens(str(tmp_path_factory.mktemp("tokens") / "t.bin"))

@@ -38,12 +38,6 @@ def _fit(tokens, root, callbacks, steps=40):
     return rec.values
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    from tests.parallel.parity import make_tokens
-    return make_tokens(str(tmp_path_factory.mktemp("fp8") / "t.bin"))
-
-
 def test_every_recipe_trains_close_to_fp32(tokens, tmp_path):
     ref = _fit(tokens, str(tmp_path), [])
     end = sum(ref[-5:]) / 5
