@@ -24,9 +24,8 @@ def _case(name, world, recipe, **kw):
 
 CASES = runnable([
     _case("ep2_tensorwise", 2, "tensorwise", ep=2),
-    _case("ep2_delayed", 2, "delayed", ep=2),
     _case("ep2_blockwise", 2, "blockwise", ep=2),
-    _case("tp2_tensorwise", 2, "tensorwise", tp=2),
+    _case("tp2_delayed", 2, "delayed", tp=2),
     _case("tp2_rowwise", 2, "rowwise", tp=2),
     _case("ep2_etp2_rowwise", 4, "rowwise", ep=2, etp=2),
 ])
