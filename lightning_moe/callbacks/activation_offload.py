@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import lightning as L
 import torch
 
-from lightning_moe.callbacks.recompute import parse_layers, refuse_cuda_graphs, selected_layers
+from lightning_moe.callbacks.recompute import parse_layers, parse_modules, refuse_cuda_graphs, selected_layers
 from lightning_moe.callbacks.saved_tensors import policy_of
 
 MODULES = ("attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
@@ -111,14 +111,8 @@ class ActivationOffload(L.Callback):
 
     def __init__(self, modules: Sequence[str] = ("expert_fc1",), layers: Union[str, int, Sequence[int]] = "all",
                  min_bytes: int = 1 << 16):
-        if isinstance(modules, str):
-            modules = [modules]
-        unknown = [m for m in modules if m not in MODULES]
-        if unknown or not modules:
-            raise ValueError(f"ActivationOffload(modules={list(modules)!r}): unknown module "
-                             f"{unknown[0] if unknown else None!r}; valid: {', '.join(MODULES)}")
-        self.modules = list(dict.fromkeys(modules))
-        self.layers = parse_layers(layers if not isinstance(layers, tuple) else list(layers), "ActivationOffload")
+        self.modules = parse_modules(modules, MODULES, "ActivationOffload")
+        self.layers = parse_layers(list(layers) if isinstance(layers, tuple) else layers, "ActivationOffload")
         self.min_bytes = int(min_bytes)
         self.store: Optional[HostActivations] = None
 

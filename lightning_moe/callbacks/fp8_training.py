@@ -13,16 +13,12 @@ until the scaled grouped kernel is wired in.
 
 from __future__ import annotations
 
-import fnmatch
-from functools import partial
 from typing import Optional, Sequence
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
-
-from lightning_moe.modules.experts import GroupedMM
+from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
 from lightning_moe.modules.fp8 import RECIPES
 from lightning_moe.modules.fp8_grouped import check_dims, fp8_grouped_mm
 from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
@@ -51,7 +47,7 @@ class FP8Training(L.Callback):
             raise ValueError(f"FP8Training(amax_history={amax_history}): must be >= 1")
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history = emulate, amax_history
-        self._swapped: list[tuple[nn.Module, str]] = []
+        self._swapped: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         device = trainer.strategy.root_device
@@ -60,67 +56,41 @@ class FP8Training(L.Callback):
             raise ValueError(f"FP8Training: {torch.cuda.get_device_name(device)} has no FP8 tensor cores (compute "
                              "capability 8.9+ needed); pass emulate=True to train with emulated FP8")
         ctx = getattr(pl_module, "parallel_context", None)
-        targets = self._targets(pl_module, ctx)
-        problems = [why for name, module, _ in targets for why in [self._check(pl_module, name, module, device)] if why]
+        targets = list(gemms(pl_module, self.exclude, self.include_head))
+        problems = [why for g in targets for why in [self._check(g, device)] if why]
         if problems:
             raise ValueError(f"FP8Training(recipe={self.recipe!r}) cannot run these layers: {problems[0]}"
                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
-        for name, module, spec in targets:
-            self._swap(module, spec)
-        grouped = sum(isinstance(m, GroupedMM) for _, m, _ in targets)
+        for g in targets:
+            swap(g, fp8_linear, fp8_grouped_mm, self._spec(g, ctx), self._swapped)
+        grouped = sum(g.grouped for g in targets)
         dense = "emulated" if emulate or self.recipe == "blockwise" else "torch._scaled_mm"
         rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - grouped} dense GEMMs ({dense}), {grouped} expert "
                        "grouped GEMMs (emulated)")
 
-    def _targets(self, pl_module, ctx) -> list[tuple[str, nn.Module, FP8Spec]]:
-        out = []
-        head = getattr(getattr(pl_module, "model", None), "head", None)
-        for name, m in pl_module.named_modules():
-            if any(fnmatch.fnmatch(name, pat) for pat in self.exclude) or (m is head and not self.include_head):
-                continue
-            spec = FP8Spec(self.recipe, emulate=bool(self.emulate), history=self.amax_history)
-            # the ranks splitting the tokens share scales (as Transformer Engine reduces amaxes over its FP8 group)
-            if isinstance(m, GroupedMM):
-                if ctx is not None and ctx.etp > 1:  # fc1 splits its outputs over ETP, fc2 its inputs
-                    spec.group, spec.split = ctx.group("etp"), "out" if name.endswith("fc1") else "in"
-                spec.data_group = ctx.group("edp") if ctx is not None else None
-                spec.emulate = True
-            elif isinstance(m, (ColumnParallelLinear, RowParallelLinear, nn.Linear)):
-                if isinstance(m, nn.Linear) and (m.bias is not None or "router" in name):
-                    continue
-                if ctx is not None and ctx.tp > 1 and not isinstance(m, nn.Linear):
-                    spec.group, spec.split = ctx.group("tp"), "out" if isinstance(m, ColumnParallelLinear) else "in"
-                spec.data_group = ctx.group("dp_cp") if ctx is not None else None
-            else:
-                continue
-            out.append((name, m, spec))
-        return out
+    def _spec(self, g: Gemm, ctx) -> FP8Spec:
+        """The groups whose ranks split the GEMM's features (TP, ETP) or tokens (DP x CP, EDP): they share scales, as
+        Transformer Engine reduces amaxes over its FP8 group."""
+        spec = FP8Spec(self.recipe, emulate=bool(self.emulate) or g.grouped, history=self.amax_history)
+        if ctx is None:
+            return spec
+        if g.grouped:
+            if ctx.etp > 1:  # fc1 splits its outputs over ETP, fc2 its inputs
+                spec.group, spec.split = ctx.group("etp"), "out" if g.name.endswith("fc1") else "in"
+            spec.data_group = ctx.group("edp")
+        else:
+            if ctx.tp > 1 and isinstance(g.module, (ColumnParallelLinear, RowParallelLinear)):
+                spec.group, spec.split = ctx.group("tp"), "out" if isinstance(g.module, ColumnParallelLinear) else "in"
+            spec.data_group = ctx.group("dp_cp")
+        return spec
 
-    def _check(self, pl_module, name: str, module: nn.Module, device: torch.device) -> Optional[str]:
-        """Why ``module``'s GEMMs cannot run with the recipe (this rank's shard sizes), or None."""
-        if isinstance(module, GroupedMM):  # the weights are the parent experts'
-            experts = pl_module.get_submodule(name.rsplit(".", 1)[0])
-            w = experts.w13 if name.endswith("fc1") else experts.w2
-            return check_dims(name, w.shape[1], w.shape[2], self.recipe)
-        N, K = module.weight.shape
-        why = check_dims(name, K, N, self.recipe)
-        if why is None and device.type == "cuda" and not self.emulate and (K % 16 or N % 16):
-            why = f"{name}: {K} x {N} is not a multiple of 16, which torch._scaled_mm needs"
+    def _check(self, g: Gemm, device: torch.device) -> Optional[str]:
+        """Why ``g`` cannot run with the recipe (this rank's shard sizes), or None."""
+        why = check_dims(g.name, g.K, g.N, self.recipe)
+        if why is None and not g.grouped and device.type == "cuda" and not self.emulate and (g.K % 16 or g.N % 16):
+            why = f"{g.name}: {g.K} x {g.N} is not a multiple of 16, which torch._scaled_mm needs"
         return why
 
-    def _swap(self, module: nn.Module, spec: FP8Spec) -> None:
-        if isinstance(module, GroupedMM):
-            module._mm = partial(fp8_grouped_mm, spec=spec)
-            self._swapped.append((module, "_mm"))
-        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module._mm = partial(fp8_linear, spec=spec)
-            self._swapped.append((module, "_mm"))
-        else:  # a plain bias-free nn.Linear (MLA's replicated down-projections)
-            module.forward = lambda x, m=module: fp8_linear(x, m.weight, spec)
-            self._swapped.append((module, "forward"))
-
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        for module, attr in self._swapped:
-            module.__dict__.pop(attr, None)
-        self._swapped = []
+        unswap(self._swapped)

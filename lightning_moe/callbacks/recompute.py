@@ -38,6 +38,16 @@ def _contexts():
     return replay.first_pass(), replay.replay()
 
 
+def parse_modules(modules, valid: Sequence[str], what: str) -> list[str]:
+    """The chosen module names (a name or a list), each known, without repeats."""
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    unknown = [m for m in modules if m not in valid]
+    if unknown or not modules:
+        raise ValueError(f"{what}(modules={modules!r}): unknown module {unknown[0] if unknown else None!r}; valid: "
+                         f"{', '.join(valid)}")
+    return list(dict.fromkeys(modules))
+
+
 def parse_layers(layers, what: str):
     """``"all"``, a number N (the first N layers of each pipeline stage), or a list of layer indices."""
     if layers == "all":
@@ -102,14 +112,8 @@ class Recompute(L.Callback):
     """
 
     def __init__(self, modules: Sequence[str] = ("moe_act", "layernorm"), layers: Union[str, int, Sequence[int]] = "all"):
-        if isinstance(modules, str):
-            modules = [modules]
-        unknown = [m for m in modules if m not in MODULES]
-        if unknown or not modules:
-            raise ValueError(f"Recompute(modules={list(modules)!r}): unknown module {unknown[0] if unknown else None!r};"
-                             f" valid: {', '.join(MODULES)}")
-        self.modules = list(dict.fromkeys(modules))
-        self.layers = parse_layers(layers if not isinstance(layers, tuple) else list(layers), "Recompute")
+        self.modules = parse_modules(modules, MODULES, "Recompute")
+        self.layers = parse_layers(list(layers) if isinstance(layers, tuple) else layers, "Recompute")
         self._restore: list[tuple[nn.Module, object]] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
