@@ -20,21 +20,11 @@ def _worker(rank, world, tokens, root, strategy_kw, model):
     import torch
 
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, Recompute, TokenDataModule
-
-    class Record(L.Callback):
-        def __init__(self):
-            self.losses, self.grads = [], None
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if self.grads is None:
-                self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+    from tests.callbacks.test_recompute import _Record
 
     def fit(modules):
         L.seed_everything(0, verbose=False)
-        rec = Record()
+        rec = _Record()
         callbacks = [rec] + ([Recompute(modules)] if modules else [])
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MoEFoldStrategy(timeout=60, **strategy_kw),
                             max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False,
