@@ -5,7 +5,10 @@ For each named shape this times, in one process:
       (``ParallelContext.single()``), forward + backward, inputs and outputs with gradients;
   (b) ``bare``: ``F.grouped_mm(x, w13) -> silu(gate) * up -> F.grouped_mm(., w2)``, forward + backward, with the
       per-expert row counts the layer produced;
-  (c) ``loop`` (``--with-loop``, qwen3 shape only): the same block as a Python loop over experts.
+  (c) ``loop`` (``--with-loop``, qwen3 shape only): the same block as a Python loop over experts;
+  (d) ``--precision fp8-<recipe>[,...]``: (a) and (b) again with the experts' grouped GEMMs in FP8 (``FP8Training``'s
+      ``fp8_grouped_mm``; ``fp8-<recipe>-hybrid`` keeps E5M2 gradients), with their speed-up over bf16 from this run.
+      FLOPs are counted as in bf16, as Megatron counts them.
 Throughput counts the expert GEMMs only: ``18 * rows * h * f`` FLOPs (fwd 6·rows·h·f, x3 for fwd+bwd), rows = T*k,
 so ``ratio = bare_ms / layer_ms`` is the layer's throughput as a fraction of the kernel limit.
 
@@ -40,6 +43,9 @@ from common import elapsed_ms, emit, env_info, log, peak_memory, pick_device, st
 from torch import nn
 
 from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.fp8 import RECIPES
+from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+from lightning_moe.modules.fp8_linear import FP8Spec
 from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.strategy.parallel_context import ParallelContext
 
@@ -160,6 +166,20 @@ def bare_block(x_MD, w13_EDF2, w2_EFD, offs_E):
     return F.grouped_mm(F.silu(gate_MF) * up_MF, w2_EFD, offs=offs_E)
 
 
+def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
+    h_M2F = fp8_grouped_mm(x_MD, w13_EDF2, offs_E, spec1)
+    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+    return fp8_grouped_mm(F.silu(gate_MF) * up_MF, w2_EFD, offs_E, spec2)
+
+
+def fp8_specs(precision: str) -> tuple:
+    """``fp8-<recipe>[-hybrid]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3 gradients
+    unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel."""
+    parts = precision.split("-")
+    recipe, fmt = parts[1], "hybrid" if parts[-1] == "hybrid" else "e4m3"
+    return FP8Spec(recipe, fp8_format=fmt), FP8Spec(recipe, fp8_format=fmt)
+
+
 def loop_block(x_MD, w13_EDF2, w2_EFD, bounds: list[int]):
     outs = []
     for e in range(w13_EDF2.shape[0]):
@@ -255,6 +275,16 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     t_layer["tflops"] = tflops(flops, t_layer["median_ms"])
     t_layer["host_syncs"], t_layer["host_sync_sites"] = host_syncs(layer_step, device)
     rec["layer"] = t_layer
+    fp8_layers = {}
+    for precision in args.fp8:  # the same layer with its expert GEMMs swapped to FP8
+        spec1, spec2 = fp8_specs(precision)
+        layer.experts.fc1._mm = lambda x, w, offs, s=spec1: fp8_grouped_mm(x, w, offs, s)
+        layer.experts.fc2._mm = lambda x, w, offs, s=spec2: fp8_grouped_mm(x, w, offs, s)
+        t = time_fn(layer_step, device, args.iters, args.warmup, layer_tensors, args.timer)
+        t.update(peak_memory(layer_step, device, layer_tensors))
+        t["tflops"] = tflops(flops, t["median_ms"])
+        fp8_layers[precision] = t
+        del layer.experts.fc1._mm, layer.experts.fc2._mm
 
     runs = []
     for i in range(args.split_iters + 1):
@@ -286,6 +316,17 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     t_bare["tflops"] = tflops(flops, t_bare["median_ms"])
     rec["bare"] = t_bare
     rec["ratio_layer_over_bare"] = t_bare["median_ms"] / t_layer["median_ms"]
+    for precision, t_fp8_layer in fp8_layers.items():
+        spec1, spec2 = fp8_specs(precision)
+
+        def fp8_step(s1=spec1, s2=spec2):
+            fp8_block(x_MD, w13, w2, offs_E, s1, s2).backward(g_MD)
+
+        t = time_fn(fp8_step, device, args.iters, args.warmup, bare_tensors, args.timer)
+        t["tflops"] = tflops(flops, t["median_ms"])
+        rec.setdefault("fp8", {})[precision] = {
+            "layer": t_fp8_layer, "bare": t, "layer_speedup": t_layer["median_ms"] / t_fp8_layer["median_ms"],
+            "bare_speedup": t_bare["median_ms"] / t["median_ms"]}
 
     # ---- (c) optional per-expert loop at the qwen3 shape
     if args.with_loop and name == "qwen3":
@@ -322,6 +363,8 @@ def main(argv=None) -> dict:
                         "bf16-mixed training (adds the weight casts)")
     p.add_argument("--tokens", type=int, default=None, help="override T for every shape")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
+    p.add_argument("--precision", default="bf16",
+                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid] (recipes: " + ", ".join(RECIPES) + ")")
     p.add_argument("--with-loop", action="store_true", help="also time a per-expert Python loop (qwen3 only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU, 2 iterations")
     p.add_argument("--seed", type=int, default=0)
@@ -331,6 +374,12 @@ def main(argv=None) -> dict:
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+    precisions = [s.strip() for s in args.precision.split(",") if s.strip()]
+    valid = {f"fp8-{r}" for r in RECIPES} | {"fp8-tensorwise-hybrid", "fp8-delayed-hybrid"}
+    bad = [s for s in precisions if s != "bf16" and s not in valid]
+    if bad:
+        p.error(f"unknown --precision {bad}; choose from bf16, {', '.join(sorted(valid))}")
+    args.fp8 = [s for s in precisions if s != "bf16"]
     args.iters = args.iters or (2 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
     args.split_iters = args.split_iters or (1 if args.smoke else 5)
@@ -354,6 +403,8 @@ def main(argv=None) -> dict:
         log(f"{name}: layer {rec['layer']['median_ms']:.3f} ms ({rec['layer']['tflops']:.1f} TFLOP/s), bare "
             f"{rec['bare']['median_ms']:.3f} ms ({rec['bare']['tflops']:.1f} TFLOP/s), "
             f"ratio {rec['ratio_layer_over_bare']:.3f}")
+        for precision, r in rec.get("fp8", {}).items():
+            log(f"{name} {precision}: layer x{r['layer_speedup']:.2f}, block x{r['bare_speedup']:.2f} over bf16")
         records.append(rec)
     result = {"benchmark": "moe_layer", "env": env_info(device), "smoke": args.smoke,
               "config": {"iters": args.iters, "warmup": args.warmup, "split_iters": args.split_iters,

@@ -288,6 +288,12 @@ def run_one(args, preset: str) -> dict:
         if args.offload_activations:
             from lightning_moe import ActivationOffload
             memory_callbacks.append(ActivationOffload(args.offload_activations.split(",")))
+        if args.fp8:  # FLOPs stay counted as in bf16 (as Megatron counts them): MFU stays comparable
+            from lightning_moe import FP8Training
+            memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format))
+        if args.nvfp4:
+            from lightning_moe import NVFP4Training
+            memory_callbacks.append(NVFP4Training())
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
                             strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
                             max_steps=steps + (2 if args.profile else 0),  # profiled after the timed window
@@ -341,7 +347,8 @@ def run_one(args, preset: str) -> dict:
            "dispatcher": cfg.dispatcher, "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
            "compile": False, "devices": args.devices, "recompute": args.recompute,
-           "offload_activations": args.offload_activations,
+           "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
+           "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
@@ -429,6 +436,10 @@ def main(argv=None) -> dict:
     p.add_argument("--experts", type=int, default=None, help="num_experts (default per preset)")
     p.add_argument("--first-k-dense", type=int, default=None, help="dense layers first (default per preset)")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")
+    p.add_argument("--fp8", default=None, help="lightning_moe.FP8Training(recipe): tensorwise, delayed, rowwise, "
+                   "blockwise")
+    p.add_argument("--fp8-format", default=None, help="FP8Training(fp8_format=...): hybrid or e4m3")
+    p.add_argument("--nvfp4", action="store_true", help="lightning_moe.NVFP4Training() (emulated on Hopper)")
     p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")
     p.add_argument("--seed", type=int, default=1234)

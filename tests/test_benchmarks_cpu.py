@@ -38,7 +38,7 @@ def _check_env(res: dict) -> None:
 @pytest.fixture(scope="module")
 def layer_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "layer.json"
-    res = _run("bench_layer.py", "--with-loop", out=out)
+    res = _run("bench_layer.py", "--with-loop", "--precision", "bf16,fp8-rowwise", out=out)
     with open(out) as f:
         assert json.load(f) == res
     return res
@@ -70,6 +70,9 @@ def test_bench_layer_smoke(layer_result):
         assert all(math.isfinite(v) and v >= 0 for v in r["split_ms"].values())
         assert sum(r["split_fraction"].values()) == pytest.approx(1.0)
         assert ("loop" in r) == (r["shape"] == "qwen3")
+        fp8 = r["fp8"]["fp8-rowwise"]
+        assert fp8["layer_speedup"] == pytest.approx(r["layer"]["median_ms"] / fp8["layer"]["median_ms"])
+        assert fp8["bare_speedup"] == pytest.approx(r["bare"]["median_ms"] / fp8["bare"]["median_ms"])
     loop = recs[1]["loop"]
     assert _positive(loop["median_ms"]) and _positive(loop["tflops"])
     assert loop["grouped_vs_loop_rel_err"] < 1e-4
@@ -96,13 +99,15 @@ def test_bench_model_smoke(model_result):
 
 
 def test_bench_model_optimizer_options_smoke():
-    """The distributed optimizer with half the state offloaded and bf16 first moments: the run reports the optimizer's
-    share of the step and the predicted bytes per parameter (one process, fp32 weights: 4 weight + 4 grad + half of
-    the 2 + 4 bytes of moments on the device; the other half, the weight copy and the gradient copy of that half on
-    the host)."""
-    res = _run("bench_model.py", "--distributed-optimizer", "--offload", "0.5", "--exp-avg-dtype", "bf16")
+    """The distributed optimizer with half the state offloaded and bf16 first moments (and FP8 GEMMs): the run
+    reports the optimizer's share of the step and the predicted bytes per parameter (one process, fp32 weights: 4
+    weight + 4 grad + half of the 2 + 4 bytes of moments on the device; the other half, the weight copy and the
+    gradient copy of that half on the host)."""
+    res = _run("bench_model.py", "--distributed-optimizer", "--offload", "0.5", "--exp-avg-dtype", "bf16",
+               "--fp8", "rowwise")
     (r,) = res["records"]
     assert "error" not in r, r
+    assert r["fp8"] == "rowwise"
     assert "distributed_optimizer=True" in r["strategy"] and "optimizer_cpu_offload=0.5" in r["strategy"]
     assert _positive(r["optimizer_step_ms_median"]) and r["losses_finite"] is True
     assert r["device_bytes_per_param"] == pytest.approx(4 + 4 + 6 / 2)
@@ -169,3 +174,14 @@ def test_trace_gaps_name_the_launching_code(monkeypatch):
     # without a frame of ours: outermost op > innermost op
     events[3]["name"] = "torch/autograd/__init__.py(1): backward"
     assert trace_gaps(events)["by_next_launch"][0]["where"] == "aten::mm"
+
+
+def test_fp8_convergence_smoke():
+    """The convergence comparison runs each precision on the same data and reports its final loss against bf16."""
+    res = _run("fp8_convergence.py", "--runs", "bf16,fp8-rowwise,nvfp4")
+    runs = res["runs"]
+    assert list(runs) == ["bf16", "fp8-rowwise", "nvfp4"] and runs["bf16"]["vs_bf16"] == 0
+    for r in runs.values():
+        assert len(r["losses"]) == 4 and all(_positive(v) for v in r["losses"])
+        assert r["vs_bf16"] == pytest.approx(r["final_loss"] / runs["bf16"]["final_loss"] - 1)
+    assert runs["fp8-rowwise"]["losses"] != runs["bf16"]["losses"]  # FP8 changed the numbers

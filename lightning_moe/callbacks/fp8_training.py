@@ -7,8 +7,9 @@ Megatron's names: ``tensorwise`` (current scaling), ``delayed`` (amax history), 
 (DeepSeek-V3's 1 x 128 / 128 x 128 scales).
 
 Dense GEMMs run on ``torch._scaled_mm`` for tensorwise and rowwise scales (GPUs of compute capability 8.9+, and the
-CPU) and emulated otherwise; the experts' grouped GEMMs are emulated (quantized, dequantized, multiplied in fp32)
-until the scaled grouped kernel is wired in.
+CPU) and emulated otherwise. The experts' grouped GEMMs run on ``torch._scaled_grouped_mm`` on Hopper (E4M3 operands
+with row and column scales: the tensorwise, delayed and rowwise recipes; gradients too with ``fp8_format="e4m3"``)
+and emulated otherwise (quantized, dequantized, multiplied in fp32). The log says which path each GEMM took.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
+from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
 from lightning_moe.modules.fp8 import RECIPES
 from lightning_moe.modules.fp8_grouped import check_dims, fp8_grouped_mm
 from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
@@ -35,18 +37,26 @@ class FP8Training(L.Callback):
         include_head: also the output head (off by default, as in Megatron).
         emulate: quantize and dequantize instead of calling FP8 kernels (default: only where no kernel runs).
         amax_history: delayed scaling's window.
+        fp8_format: Megatron's ``--fp8-format``: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"``
+            (everywhere). Default: hybrid for tensorwise and delayed, e4m3 for rowwise and blockwise. Hopper has no
+            grouped kernel for E5M2 gradients: the experts' backward GEMMs are emulated under hybrid.
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
-                 emulate: Optional[bool] = None, amax_history: int = 16):
+                 emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
+        if fp8_format not in (None, "hybrid", "e4m3"):
+            raise ValueError(f"FP8Training(fp8_format={fp8_format!r}): valid: 'hybrid', 'e4m3' (or None: the recipe's)")
+        if fp8_format == "hybrid" and recipe in ("rowwise", "blockwise"):
+            raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_format='hybrid'): the {recipe} recipe is E4M3 "
+                             "throughout; use fp8_format='e4m3' or the tensorwise or delayed recipe")
         if isinstance(exclude, str):
             exclude = [exclude]
         if amax_history < 1:
             raise ValueError(f"FP8Training(amax_history={amax_history}): must be >= 1")
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
-        self.emulate, self.amax_history = emulate, amax_history
+        self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
         self._swapped: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -64,15 +74,20 @@ class FP8Training(L.Callback):
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
         for g in targets:
             swap(g, fp8_linear, fp8_grouped_mm, self._spec(g, ctx), self._swapped)
-        grouped = sum(g.grouped for g in targets)
+        grouped = [g for g in targets if g.grouped]
         dense = "emulated" if emulate or self.recipe == "blockwise" else "torch._scaled_mm"
-        rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - grouped} dense GEMMs ({dense}), {grouped} expert "
-                       "grouped GEMMs (emulated)")
+        on_kernel = sum(not emulate and self.recipe != "blockwise" and g.K % 16 == 0 and g.N % 16 == 0
+                        and grouped_kernels.available(device) for g in grouped)
+        backward = "" if not on_kernel or self._spec(grouped[0], None).formats()[1] == "e4m3" else \
+            " (their backward emulated: no E5M2 grouped kernel; fp8_format='e4m3' runs it on the kernel)"
+        rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - len(grouped)} dense GEMMs ({dense}), "
+                       f"{len(grouped)} expert grouped GEMMs ({on_kernel} on torch._scaled_grouped_mm{backward}, "
+                       f"{len(grouped) - on_kernel} emulated)")
 
     def _spec(self, g: Gemm, ctx) -> FP8Spec:
         """The groups whose ranks split the GEMM's features (TP, ETP) or tokens (DP x CP, EDP): they share scales, as
         Transformer Engine reduces amaxes over its FP8 group."""
-        spec = FP8Spec(self.recipe, emulate=bool(self.emulate) or g.grouped, history=self.amax_history)
+        spec = FP8Spec(self.recipe, emulate=bool(self.emulate), history=self.amax_history, fp8_format=self.fp8_format)
         if ctx is None:
             return spec
         if g.grouped:

@@ -20,15 +20,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, formats, tiling
+from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, abs_amax, saturate, tiling
 from lightning_moe.modules.fp8_linear import FP8Spec
+
+
+def _cast(x: torch.Tensor, amax: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``x`` quantized with the (broadcastable) amax of its block, and the scale used."""
+    dtype, fmax = FORMATS[fmt]
+    scale = fmax / amax.float().clamp_min(1e-12)
+    return saturate(x, scale, fmax, dtype), scale
 
 
 def _fake(x: torch.Tensor, amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """Quantize-dequantize ``x`` with the (broadcastable) amax of its block."""
-    dtype, fmax = FORMATS[fmt]
-    scale = fmax / amax.float().clamp_min(1e-12)
-    return (x.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+    q, scale = _cast(x, amax, fmt)
+    return q.float() / scale
 
 
 def _reduced(amax: torch.Tensor, spec: FP8Spec, name: str, features: bool, tokens: bool = False) -> torch.Tensor:
@@ -56,50 +62,70 @@ class _History:
         return used
 
 
+def _expert_amax(a_M: torch.Tensor, gid_M: torch.Tensor, L: int) -> torch.Tensor:
+    return torch.zeros(L, device=a_M.device).scatter_reduce(0, gid_M, a_M, "amax", include_self=True)
+
+
+def rows_amax(x_MK, gid_M, L: int, t: Tiling, spec: FP8Spec, name: str, split_k: bool) -> torch.Tensor:
+    """Activations along their features, (M, 1): one scale per expert (its tokens are spread over the
+    expert-data-parallel ranks) or per row. Not blockwise."""
+    a_M1 = abs_amax(x_MK.detach(), 1)
+    if t == Tiling(None, None):
+        return _reduced(_expert_amax(a_M1.squeeze(1), gid_M, L), spec, name, split_k, tokens=True)[gid_M].unsqueeze(1)
+    return _reduced(a_M1, spec, name, split_k)
+
+
 def _rows_along_k(x_MK, gid_M, L: int, t: Tiling, fmt: str, spec: FP8Spec, name: str, split_k: bool):
     """Activations along their features: one scale per expert, per row, or per 1 x 128 tile."""
+    if t.cols is None:
+        return _fake(x_MK, rows_amax(x_MK, gid_M, L, t, spec, name, split_k), fmt)
     M, K = x_MK.shape
-    a = x_MK.detach().abs().float()
-    if t == Tiling(None, None):  # per expert: its tokens are spread over the expert-data-parallel ranks
-        amax_L = torch.zeros(L, device=a.device).scatter_reduce(0, gid_M, a.amax(1), "amax", include_self=True)
-        return _fake(x_MK, _reduced(amax_L, spec, name, split_k, tokens=True)[gid_M].unsqueeze(1), fmt)
-    if t == Tiling(1, None):
-        return _fake(x_MK, _reduced(a.amax(1, keepdim=True), spec, name, split_k), fmt)
-    tiles = a.reshape(M, K // BLOCK, BLOCK).amax(2, keepdim=True)  # never straddles ranks
+    tiles = x_MK.detach().abs().float().reshape(M, K // BLOCK, BLOCK).amax(2, keepdim=True)  # never straddles ranks
     return _fake(x_MK.reshape(M, K // BLOCK, BLOCK), tiles, fmt).reshape(M, K)
+
+
+def weights_amax(w_LKN, along: str, t: Tiling, spec: FP8Spec, name: str, reduce: bool, split_along: bool):
+    """Each expert's weight along K (forward: the GEMM reduces over K) or along N (dgrad): (L, 1, 1) per expert,
+    (L, 1, N) or (L, K, 1) per row of the GEMM. Not blockwise."""
+    a = w_LKN.detach().abs().float()
+    if t == Tiling(None, None):
+        return _reduced(a.amax((1, 2), keepdim=True), spec, name, reduce)
+    return _reduced(a.amax(1 if along == "K" else 2, keepdim=True), spec, name, split_along)
 
 
 def _weights(w_LKN, along: str, t: Tiling, fmt: str, spec: FP8Spec, name: str, reduce: bool, split_along: bool):
     """Each expert's weight along K (forward: the GEMM reduces over K) or along N (dgrad)."""
-    a = w_LKN.detach().abs().float()
-    dim = 1 if along == "K" else 2
-    if t == Tiling(None, None):
-        return _fake(w_LKN, _reduced(a.amax((1, 2), keepdim=True), spec, name, reduce), fmt)
-    if t == Tiling(1, None):
-        return _fake(w_LKN, _reduced(a.amax(dim, keepdim=True), spec, name, split_along), fmt)
+    if t.cols is None:
+        return _fake(w_LKN, weights_amax(w_LKN, along, t, spec, name, reduce, split_along), fmt)
     L, K, N = w_LKN.shape
     if K % BLOCK or N % BLOCK:
         raise ValueError(f"FP8 blockwise: expert weights need dimensions that are multiples of {BLOCK}, got {K} x {N}")
-    tiles = a.reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK).amax((2, 4), keepdim=True)
+    tiles = w_LKN.detach().abs().float().reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK).amax((2, 4), keepdim=True)
     return _fake(w_LKN.reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK), tiles, fmt).reshape(L, K, N)
+
+
+def tokens_amax(x_MK, gid_M, L: int, t: Tiling, spec: FP8Spec, name: str, split_k: bool) -> torch.Tensor:
+    """An operand of the wgrad GEMM, which reduces over each expert's tokens: amax per expert (L, 1) or per
+    (expert, feature) (L, K). Not blockwise."""
+    M, K = x_MK.shape
+    if t == Tiling(None, None):
+        amax_L = _expert_amax(abs_amax(x_MK.detach(), 1).squeeze(1), gid_M, L)
+        return _reduced(amax_L, spec, name, split_k, tokens=True).unsqueeze(1)
+    amax_LK = torch.zeros(L, K, device=x_MK.device).scatter_reduce(
+        0, gid_M.unsqueeze(1).expand(M, K), x_MK.detach().abs().float(), "amax", include_self=True)
+    return _reduced(amax_LK, spec, name, False, tokens=True)
 
 
 def _tokens_per_expert(x_MK, gid_M, starts_L, L: int, t: Tiling, fmt: str, spec: FP8Spec, name: str,
                        split_k: bool):
     """An operand of the wgrad GEMM, which reduces over each expert's tokens: scales per expert, per (expert,
     feature) or per (128-token tile of an expert, feature)."""
+    if t.cols is None:
+        return _fake(x_MK, tokens_amax(x_MK, gid_M, L, t, spec, name, split_k)[gid_M], fmt)
     M, K = x_MK.shape
-    a = x_MK.detach().abs().float()
-    if t == Tiling(None, None):
-        amax_L = torch.zeros(L, device=a.device).scatter_reduce(0, gid_M, a.amax(1), "amax", include_self=True)
-        return _fake(x_MK, _reduced(amax_L, spec, name, split_k, tokens=True)[gid_M].unsqueeze(1), fmt)
-    if t == Tiling(1, None):
-        amax_LK = torch.zeros(L, K, device=a.device).scatter_reduce(0, gid_M.unsqueeze(1).expand(M, K), a, "amax",
-                                                                     include_self=True)
-        return _fake(x_MK, _reduced(amax_LK, spec, name, False, tokens=True)[gid_M], fmt)
-    tile_M = gid_M * (M // BLOCK + 1) + (torch.arange(M, device=a.device) - starts_L[gid_M]) // BLOCK
-    amax_TK = torch.zeros(L * (M // BLOCK + 1), K, device=a.device).scatter_reduce(
-        0, tile_M.unsqueeze(1).expand(M, K), a, "amax", include_self=True)
+    tile_M = gid_M * (M // BLOCK + 1) + (torch.arange(M, device=x_MK.device) - starts_L[gid_M]) // BLOCK
+    amax_TK = torch.zeros(L * (M // BLOCK + 1), K, device=x_MK.device).scatter_reduce(
+        0, tile_M.unsqueeze(1).expand(M, K), x_MK.detach().abs().float(), "amax", include_self=True)
     return _fake(x_MK, amax_TK[tile_M], fmt)
 
 
@@ -116,16 +142,42 @@ def _wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_L: torch.Tensor, gid_M:
     return out.index_add_(0, gid_M[valid], x_MK[valid].unsqueeze(2) * dy_MN[valid].unsqueeze(1))
 
 
+def emulated_dgrad(dy_MN, w_LKN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
+    """``dx_g = dy_g W_g^T``, reduced over N: dy's N split (column), W along N."""
+    from lightning_moe.modules.experts import grouped_mm
+    fwd, bwd = spec.formats()
+    col, row = spec.split == "out", spec.split == "in"
+    L = w_LKN.shape[0]
+    dyq = _rows_along_k(dy_MN, gid_M, L, tiling(spec.recipe, "grad"), bwd, spec, "dy", col)
+    wq = _weights(w_LKN, "N", tiling(spec.recipe, "weight"), fwd, spec, "w_t", col or row, col)
+    return grouped_mm(dyq, wq.transpose(1, 2), offs_L)
+
+
+def emulated_wgrad(x_MK, dy_MN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
+    """``dW_g = x_g^T dy_g``, reduced over the expert's tokens."""
+    fwd, bwd = spec.formats()
+    col, row = spec.split == "out", spec.split == "in"
+    L = offs_L.numel()
+    starts_L = torch.cat([offs_L.new_zeros(1), offs_L[:-1]]).to(torch.int64)
+    xq = _tokens_per_expert(x_MK, gid_M, starts_L, L, tiling(spec.recipe, "input"), fwd, spec, "x_t", row)
+    dyq = _tokens_per_expert(dy_MN, gid_M, starts_L, L, tiling(spec.recipe, "grad"), bwd, spec, "dy_t", col)
+    return _wgrad(xq, dyq, offs_L, gid_M)
+
+
+def expert_of_rows(M: int, offs_L: torch.Tensor, device) -> torch.Tensor:
+    L = offs_L.numel()
+    return torch.bucketize(torch.arange(M, device=device), offs_L.to(torch.int64), right=True).clamp_(max=L - 1)
+
+
 class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec):
         from lightning_moe.modules.experts import grouped_mm
         L, M = w_LKN.shape[0], x_MK.shape[0]
-        offs = offs_L.to(torch.int64)
-        gid_M = torch.bucketize(torch.arange(M, device=x_MK.device), offs, right=True).clamp_(max=L - 1)
+        gid_M = expert_of_rows(M, offs_L, x_MK.device)
         ctx.save_for_backward(x_MK, w_LKN, offs_L, gid_M)
         ctx.spec = spec
-        fwd, _ = formats(spec.recipe)
+        fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
         xq = _rows_along_k(x_MK, gid_M, L, tiling(spec.recipe, "input"), fwd, spec, "x", row)
         wq = _weights(w_LKN, "K", tiling(spec.recipe, "weight"), fwd, spec, "w", col or row, row)
@@ -133,27 +185,19 @@ class _FP8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_MN):
-        from lightning_moe.modules.experts import grouped_mm
         x_MK, w_LKN, offs_L, gid_M = ctx.saved_tensors
-        spec = ctx.spec
-        L = w_LKN.shape[0]
-        fwd, bwd = formats(spec.recipe)
-        col, row = spec.split == "out", spec.split == "in"
-        # dgrad dx_g = dy_g W_g^T, reduced over N: dy's N split (column), W along N
-        dyq = _rows_along_k(dy_MN, gid_M, L, tiling(spec.recipe, "grad"), bwd, spec, "dy", col)
-        wq = _weights(w_LKN, "N", tiling(spec.recipe, "weight"), fwd, spec, "w_t", col or row, col)
-        dx = grouped_mm(dyq, wq.transpose(1, 2), offs_L).to(x_MK.dtype)
-        # wgrad dW_g = x_g^T dy_g, reduced over the expert's tokens
-        starts_L = torch.cat([offs_L.new_zeros(1), offs_L[:-1]]).to(torch.int64)
-        xq = _tokens_per_expert(x_MK, gid_M, starts_L, L, tiling(spec.recipe, "input"), fwd, spec, "x_t", row)
-        dyq = _tokens_per_expert(dy_MN, gid_M, starts_L, L, tiling(spec.recipe, "grad"), bwd, spec, "dy_t", col)
-        dw = _wgrad(xq, dyq, offs_L, gid_M).to(w_LKN.dtype)
+        dx = emulated_dgrad(dy_MN, w_LKN, offs_L, gid_M, ctx.spec).to(x_MK.dtype)
+        dw = emulated_wgrad(x_MK, dy_MN, offs_L, gid_M, ctx.spec).to(w_LKN.dtype)
         return dx, dw, None, None
 
 
 def fp8_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec
                    ) -> torch.Tensor:
-    """The experts' grouped GEMM in FP8 (emulated)."""
+    """The experts' grouped GEMM in FP8: on ``torch._scaled_grouped_mm`` where it runs (``fp8_grouped_kernels``),
+    emulated otherwise or when ``spec.emulate``."""
+    from lightning_moe.modules import fp8_grouped_kernels as kernels
+    if not spec.emulate and kernels.runs(spec, x_MK, w_LKN):
+        return kernels.scaled_grouped_mm(x_MK, w_LKN, offs_L, spec)
     return _FP8GroupedMM.apply(x_MK, w_LKN, offs_L, spec)
 
 

@@ -34,6 +34,13 @@ class FP8Spec:
     data_group: Optional[dist.ProcessGroup] = None  # the ranks splitting the tokens (dp x cp; edp for experts)
     history: int = 16  # delayed scaling's amax window
     histories: dict = field(default_factory=dict)  # operand -> AmaxHistory (delayed)
+    fp8_format: Optional[str] = None  # Megatron's --fp8-format: "hybrid" (E5M2 gradients) or "e4m3"; None: recipe's
+
+    def formats(self) -> tuple[str, str]:
+        """(format of inputs and weights, format of gradients)."""
+        if self.fp8_format is None:
+            return formats(self.recipe)
+        return ("e4m3", "e5m2") if self.fp8_format == "hybrid" else ("e4m3", "e4m3")
 
     def amax(self, name: str, x_RK: torch.Tensor, t: Tiling, rows: Optional[str], cols: Optional[str]
              ) -> Optional[torch.Tensor]:
@@ -73,7 +80,7 @@ class _FP8Linear(torch.autograd.Function):
         ctx.spec, ctx.shape = spec, x.shape
         x_MK = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x_MK, w_NK)
-        fwd, _ = formats(spec.recipe)
+        fwd, _ = spec.formats()
         col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         # x: tokens split over data ranks, K over TP (row-parallel); W: N (column) or K (row) over TP
         y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row), x.dtype)
@@ -83,7 +90,7 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x_MK, w_NK = ctx.saved_tensors
         spec = ctx.spec
-        fwd, bwd = formats(spec.recipe)
+        fwd, bwd = spec.formats()
         col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         dy_MN = dy.reshape(-1, dy.shape[-1])
         # dgrad dx = dy W, reduced over N: dy's N split (column), W^T is K x N

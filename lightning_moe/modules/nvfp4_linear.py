@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.modules.fp8_grouped import _wgrad
+from lightning_moe.modules.expert_padding import padded_layout
 from lightning_moe.modules.nvfp4 import BLOCK, apply_along_rows, fake_quantize, random_hadamard
 
 
@@ -85,24 +86,9 @@ def _expert_rows(x_MK: torch.Tensor, gid_M: torch.Tensor, L: int, stochastic: bo
     return fake_quantize(x_MK.float(), stochastic=stochastic, ts=ts_L[gid_M].unsqueeze(1))
 
 
-def _padded_layout(offs_L: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Each row's place when every expert's rows start on a 16-row boundary, the padded offsets, and the rows' expert;
-    the padded length is a static bound (no host sync)."""
-    L = offs_L.numel()
-    offs = offs_L.to(torch.int64)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
-    pstarts = torch.cumsum(padded, 0) - padded
-    starts = offs - counts
-    rows = torch.arange(M, device=offs.device)
-    gid = torch.bucketize(rows, offs, right=True).clamp_(max=L - 1)
-    dest = pstarts[gid] + rows - starts[gid]
-    return dest, torch.cumsum(padded, 0), gid, -(-M // BLOCK) * BLOCK + BLOCK * L
-
-
 def _expert_wgrad(x_MK, dy_MN, offs_L, spec: NVFP4Spec) -> torch.Tensor:
     M, L = x_MK.shape[0], offs_L.numel()
-    dest, poffs, gid, P = _padded_layout(offs_L, M)
+    dest, poffs, gid, P = padded_layout(offs_L, M, BLOCK)
     valid = torch.arange(M, device=x_MK.device) < offs_L[-1].to(torch.int64)
     dest = torch.where(valid, dest, P - 1)  # tail rows (zeros) land in the spare last row, outside every expert
     xp = torch.zeros(P, x_MK.shape[1], device=x_MK.device).index_copy_(0, dest, x_MK.float())

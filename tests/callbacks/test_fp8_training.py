@@ -77,6 +77,10 @@ def test_swaps_exclusions_head_and_teardown():
 def test_refusals():
     with pytest.raises(ValueError, match="unknown recipe; valid: tensorwise, delayed, rowwise, blockwise"):
         FP8Training("mxfp8")
+    with pytest.raises(ValueError, match=r"fp8_format='e5m2'\): valid: 'hybrid', 'e4m3'"):
+        FP8Training(fp8_format="e5m2")
+    with pytest.raises(ValueError, match="the rowwise recipe is E4M3 throughout"):
+        FP8Training("rowwise", fp8_format="hybrid")
     lm = MoELanguageModel(preset="tiny", overrides=dict(MODEL, num_kv_heads=2))  # wk: 128 x 64
     lm.configure_model()
     with pytest.raises(ValueError, match=r"model.layers.0.attn.wk: 128 x 64 is not a multiple of the blockwise"):

@@ -1,0 +1,35 @@
+"""Expert row groups padded to an alignment on the device (Megatron's ``--moe-router-padding-for-fp8``).
+
+Low-precision grouped kernels need each expert's rows to start on an aligned boundary (16 rows: the FP8 wgrad
+GEMM reduces over tokens with 16-byte TMA loads; the NVFP4 recipe quantizes 16-token chunks). The padded layout is
+computed from the group offsets on the device, and its length is a static bound, so nothing waits on the host. The
+padding rows are zeros: they add nothing to any product, change no amax, and are dropped before the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def padded_layout(offs_L: torch.Tensor, M: int, align: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """For M rows grouped by the cumulative ends ``offs_L``: each row's place in the padded layout, the padded
+    cumulative ends, each row's group, and the padded length P (a static bound: ceil(M / align) * align + align * L).
+    Rows past ``offs_L[-1]`` land past the padded end, where no group reads them."""
+    L = offs_L.numel()
+    offs = offs_L.to(torch.int64)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = (counts + align - 1) // align * align
+    pstarts = torch.cumsum(padded, 0) - padded
+    starts = offs - counts
+    rows = torch.arange(M, device=offs.device)
+    gid = torch.bucketize(rows, offs, right=True).clamp_(max=L - 1)
+    dest = pstarts[gid] + rows - starts[gid]
+    return dest, torch.cumsum(padded, 0), gid, -(-M // align) * align + align * L
+
+
+def scatter_rows(x_MK: torch.Tensor, dest_M: torch.Tensor, P: int) -> torch.Tensor:
+    """``x``'s rows at ``dest`` in P zero rows (FP8 rows move as bytes: index ops need no FP8 kernels)."""
+    raw = x_MK.view(torch.uint8) if x_MK.element_size() == 1 else x_MK
+    out = raw.new_zeros(P, x_MK.shape[1]).index_copy_(0, dest_M, raw)
+    return out.view(x_MK.dtype)

@@ -1,0 +1,112 @@
+"""The experts' FP8 grouped GEMMs on Hopper's rowwise-scaled CUTLASS kernel, ``torch._scaled_grouped_mm``.
+
+The quantization is the emulation's (``fp8_grouped.py``): the same amaxes, reductions, scales and saturation, so the
+two paths differ only in how they accumulate. The kernel multiplies E4M3 operands with one fp32 scale per row of A
+and one per column of B, which covers the tensorwise, delayed and rowwise recipes (per-expert scales are broadcast
+onto those rows and columns):
+
+  GEMM     A (row-major)                        B (column-major)                      groups over
+  forward  x (M, K), per row                    W (L, K, N), per expert and column    rows (M)
+  dgrad    dy (M, N), per row                   W^T (L, N, K), per expert and row     rows (M)
+  wgrad    x^T (K, P), per expert and feature   dy (P, N), per expert and feature     tokens (P, padded)
+
+The wgrad GEMM reduces over each expert's tokens with 16-byte loads, so every expert's tokens start on a 16-row
+boundary (``expert_padding.py``: on the device, no host sync). There is no grouped kernel for E5M2 operands (the
+hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run emulated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
+from lightning_moe.modules.fp8 import FORMATS, fused, tiling
+from lightning_moe.modules.fp8_grouped import (_cast, emulated_dgrad, emulated_wgrad, expert_of_rows, rows_amax,
+                                               tokens_amax, weights_amax)
+from lightning_moe.modules.fp8_linear import FP8Spec
+
+ALIGN = 16  # rows: 16 bytes of E4M3
+
+
+def available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_grouped_mm``'s rowwise kernel runs here (SM 9.0)."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def runs(spec: FP8Spec, x_MK: torch.Tensor, w_LKN: torch.Tensor) -> bool:
+    """Whether this GEMM runs on the kernel: Hopper, a recipe with row/column scales, dimensions of 16 bytes."""
+    K, N = w_LKN.shape[1:]
+    return spec.recipe != "blockwise" and K % ALIGN == 0 and N % ALIGN == 0 and available(x_MK.device)
+
+
+def _gemm(a, b, scale_a, scale_b, offs, fast: bool) -> torch.Tensor:
+    """The kernel multiplies the product by dequantization scales: the reciprocals of the quantization scales."""
+    return torch._scaled_grouped_mm(a, b, scale_a.reciprocal().contiguous(), scale_b.reciprocal().contiguous(),
+                                    offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+
+def _saturate_rows(x_MK, scale_LX, gid_M, fmax: float, dtype):
+    """``x`` scaled by its expert's row of scales (per expert and feature), saturated and cast."""
+    return (x_MK.float() * scale_LX[gid_M]).clamp(-fmax, fmax).to(dtype)
+
+
+saturate_rows = fused(_saturate_rows)
+
+
+def _by_expert(x_MK, amax_LX, gid_M, fmt: str):
+    """``x`` quantized with per-expert (L, 1) or per-expert-and-feature (L, X) amaxes; the scales as (L, X)."""
+    dtype, fmax = FORMATS[fmt]
+    scale_LX = fmax / amax_LX.float().clamp_min(1e-12)
+    return saturate_rows(x_MK, scale_LX, gid_M, fmax, dtype), scale_LX.expand(-1, x_MK.shape[1])
+
+
+class _ScaledGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec):
+        L, K, N = w_LKN.shape
+        M = x_MK.shape[0]
+        offs = offs_L.to(torch.int32)
+        gid_M = expert_of_rows(M, offs, x_MK.device)
+        ctx.save_for_backward(x_MK, w_LKN, offs, gid_M)
+        ctx.spec = spec
+        fwd, _ = spec.formats()
+        col, row = spec.split == "out", spec.split == "in"
+        xq, xs = _cast(x_MK, rows_amax(x_MK, gid_M, L, tiling(spec.recipe, "input"), spec, "x", row), fwd)
+        wq, ws = _cast(w_LKN, weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row),
+                       fwd)
+        w_cm = wq.transpose(1, 2).contiguous().transpose(1, 2)  # column-major, as the kernel reads B
+        y = _gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, True)
+        return y.to(x_MK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, w_LKN, offs, gid_M = ctx.saved_tensors
+        spec = ctx.spec
+        fwd, bwd = spec.formats()
+        if bwd != "e4m3":  # E5M2 gradients: no grouped kernel
+            return (emulated_dgrad(dy_MN, w_LKN, offs, gid_M, spec).to(x_MK.dtype),
+                    emulated_wgrad(x_MK, dy_MN, offs, gid_M, spec).to(w_LKN.dtype), None, None)
+        L, K, N = w_LKN.shape
+        M = x_MK.shape[0]
+        col, row = spec.split == "out", spec.split == "in"
+        t_in, t_grad, t_w = (tiling(spec.recipe, r) for r in ("input", "grad", "weight"))
+        dy_MN = dy_MN.contiguous()
+        # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
+        dyq, dys = _cast(dy_MN, rows_amax(dy_MN, gid_M, L, t_grad, spec, "dy", col), bwd)
+        wq, ws = _cast(w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd)
+        dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs, False)
+        # wgrad: both along each expert's tokens, laid out on 16-row boundaries
+        dest_M, poffs_L, _, P = padded_layout(offs, M, ALIGN)
+        xq, xs_LK = _by_expert(x_MK, tokens_amax(x_MK, gid_M, L, t_in, spec, "x_t", row), gid_M, fwd)
+        dq, ds_LN = _by_expert(dy_MN, tokens_amax(dy_MN, gid_M, L, t_grad, spec, "dy_t", col), gid_M, bwd)
+        xT_KP = scatter_rows(xq, dest_M, P).t().contiguous()
+        dyT_NP = scatter_rows(dq, dest_M, P).t().contiguous()
+        dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32), False)
+        return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None
+
+
+def scaled_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec
+                      ) -> torch.Tensor:
+    """``y_g = x_g W_g`` for each expert, forward, dgrad and wgrad on FP8 kernels."""
+    return _ScaledGroupedMM.apply(x_MK, w_LKN, offs_L, spec)
