@@ -2,7 +2,9 @@
 # One GPU. SUITE=default: gpu-marked tests, layer benchmarks at the four shapes, model benchmarks (bf16-true with fp32
 # main params). SUITE=optimizer: the optimizer's gpu tests, the memory table of the optimizer options (qwen3-30b-a3b,
 # 4 layers) and qwen3-30b-a3b with 8 layers trained with half the optimizer state offloaded (issue 17).
-# Usage (repo root): OUT=outdir [SUITE=optimizer] [ACC8=64] bash benchmarks/run_h100.sh
+# SUITE=fp8: FP8 gpu tests, the layer table in FP8 against bf16, mixtral (2 layers) and qwen3 (4 layers) in FP8, and
+# the convergence comparison (issue 19).
+# Usage (repo root): OUT=outdir [SUITE=optimizer|fp8] [PART=a|b] [ACC8=64] bash benchmarks/run_h100.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -22,6 +24,37 @@ print(json.dumps({"run": sys.argv[2], **{k: r.get(k) for k in [
 PY
   rm -f "$OUT/m.json"
 }
+if [ "$SUITE" = fp8 ]; then  # issue 19. PART=a: gpu tests and the layer table; PART=b: models and convergence
+  if [ "${PART:-ab}" != b ]; then
+    timeout "${TEST_S:-330}" python3 -m pytest ${TESTS:-tests/test_gpu_fp8.py} -q -p no:cacheprovider --durations=8 \
+      2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error|s call" | tail -25
+    timeout 300 python3 benchmarks/bench_layer.py --shapes mixtral,qwen3,olmoe --split-iters 1 \
+      --precision bf16,fp8-rowwise,fp8-tensorwise,fp8-tensorwise-hybrid --out "$OUT/layer_fp8.json" \
+      2>>"$OUT/errors.log" >/dev/null
+    python3 - "$OUT/layer_fp8.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["records"]:
+    if "error" in r:
+        print(r); continue
+    print(r["shape"], "bf16 layer", round(r["layer"]["tflops"]), "block", round(r["bare"]["tflops"]),
+          {p: (round(v["layer_speedup"], 3), round(v["bare_speedup"], 3)) for p, v in r.get("fp8", {}).items()})
+PY
+  fi
+  if [ "${PART:-ab}" != a ]; then
+    M2="--preset mixtral-8x7b --layers 2 --batch 1 --accumulate 4 --steps 8 --warmup-steps 3"
+    Q4="--preset qwen3-30b-a3b --batch 2 --accumulate 2 --steps 8 --warmup-steps 3"
+    for r in ${RECIPES:-bf16 rowwise tensorwise}; do
+      extra=""; [ "$r" != bf16 ] && extra="--fp8 $r --fp8-format e4m3"
+      model "mixtral2_$r" $M2 $extra
+      model "qwen3_4_$r" $Q4 $extra
+    done
+    timeout "${CONV_S:-360}" python3 benchmarks/fp8_convergence.py --steps "${CONV_STEPS:-500}" \
+      --out "$OUT/convergence.json" 2>>"$OUT/errors.log" | python3 -c "
+import json, sys; r = json.load(sys.stdin)
+print({k: (round(v['final_loss'], 4), round(100 * v['vs_bf16'], 2)) for k, v in r['runs'].items()})"
+  fi
+  exit 0
+fi
 if [ "$SUITE" = optimizer ]; then  # PART=a: tests and the 4-layer table; PART=b: the 8-layer runs
   if [ "${PART:-ab}" != b ]; then
     python3 -m pytest tests/test_gpu_optimizer.py tests/test_gpu.py -q -p no:cacheprovider -s 2>&1 \

@@ -9,6 +9,8 @@ Only stream events order the copies: the host never waits for the GPU.
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Optional, Sequence, Union
 
 import lightning as L
@@ -49,14 +51,23 @@ class HostActivations:
         self.out, self.back = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self.groups: list[list[_Offloaded]] = []
         self._used: set[int] = set()  # groups backward has started on
+        self._seen: dict = {}
 
     def new_group(self) -> None:
         self.groups.append([])
+        self._seen = {}  # (data_ptr, shape, dtype) -> (weakref to the tensor, its item), this block's
 
-    def pack(self, t: torch.Tensor, name: str) -> Optional[_Offloaded]:
+    def pack(self, t: torch.Tensor, name: str) -> tuple[Optional[_Offloaded], bool]:
+        """``(item, new)``: the host copy of ``t`` (None: kept on the device), and whether this call made it. Two
+        ops of a block may save one tensor (the core attention's output is saved by attention and by the output
+        projection): it is copied, and counted, once."""
         if (t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() < self.min_bytes
                 or not self.groups):
-            return None  # kept on the device
+            return None, False  # kept on the device
+        key = (t.data_ptr(), t.shape, t.dtype)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is not None:  # alive: its memory cannot belong to another tensor
+            return seen[1], False
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's caching host allocator: reused
         self.out.wait_stream(torch.cuda.current_stream(self.device))  # after the op that produced it
         with torch.cuda.stream(self.out):
@@ -64,7 +75,8 @@ class HostActivations:
         t.record_stream(self.out)  # its device memory is reused only after the copy
         item = _Offloaded(self, len(self.groups) - 1, host, self.out.record_event())
         self.groups[-1].append(item)
-        return item
+        self._seen[key] = (weakref.ref(t), item)
+        return item, True
 
     def _load(self, items) -> None:
         """Start copying back the items not on their way yet (``loaded`` is None: never loaded, or handed out)."""
@@ -93,7 +105,7 @@ class HostActivations:
         return t
 
     def clear(self) -> None:
-        self.groups, self._used = [], set()
+        self.groups, self._used, self._seen = [], set(), {}
 
 
 class ActivationOffload(L.Callback):

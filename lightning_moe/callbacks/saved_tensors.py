@@ -184,9 +184,10 @@ class SavedTensorPolicy:
             return t  # the common case, kept as it is at the least cost (parameters are never moved)
         saved = _Saved(t)
         if self._offloading and self.offloader is not None:
-            moved = self.offloader.pack(t, self._offloading[-1])
+            moved, new = self.offloader.pack(t, self._offloading[-1])
             if moved is not None:
-                self.stats["offload:" + self._offloading[-1]] += t.numel() * t.element_size()
+                if new:
+                    self.stats["offload:" + self._offloading[-1]] += t.numel() * t.element_size()
                 return moved
         for inside in self._open:
             inside.append(saved)

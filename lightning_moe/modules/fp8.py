@@ -93,6 +93,11 @@ def fused(fn):
         if not x.is_cuda:
             return fn(x, *args)
         if fn not in _FUSED:
+            # one graph per operand layout, format and input dtype (about 20 in a model): more than dynamo's
+            # default of 8 recompilations per function
+            cfg = torch._dynamo.config
+            if getattr(cfg, "recompile_limit", 64) < 64:
+                cfg.recompile_limit = 64
             _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
         return _FUSED[fn](x, *args)
     return call

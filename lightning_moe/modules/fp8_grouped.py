@@ -62,23 +62,27 @@ class _History:
         return used
 
 
-def _expert_amax(a_M: torch.Tensor, gid_M: torch.Tensor, L: int) -> torch.Tensor:
-    return torch.zeros(L, device=a_M.device).scatter_reduce(0, gid_M, a_M, "amax", include_self=True)
+def _segment_amax(a_MX: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
+    """The max of each expert's rows (rows sorted by expert, ``offs_L`` their cumulative ends; 0 for an empty
+    expert): a segmented reduction, without the contended atomics of a scatter."""
+    bounds = torch.cat([offs_L.new_zeros(1), offs_L]).to(torch.int64)
+    return torch.segment_reduce(a_MX, "max", offsets=bounds, axis=0, unsafe=True, initial=0).float()
 
 
-def rows_amax(x_MK, gid_M, L: int, t: Tiling, spec: FP8Spec, name: str, split_k: bool) -> torch.Tensor:
+def rows_amax(x_MK, offs_L, gid_M, t: Tiling, spec: FP8Spec, name: str, split_k: bool) -> torch.Tensor:
     """Activations along their features, (M, 1): one scale per expert (its tokens are spread over the
     expert-data-parallel ranks) or per row. Not blockwise."""
     a_M1 = abs_amax(x_MK.detach(), 1)
     if t == Tiling(None, None):
-        return _reduced(_expert_amax(a_M1.squeeze(1), gid_M, L), spec, name, split_k, tokens=True)[gid_M].unsqueeze(1)
+        amax_L = _segment_amax(a_M1.squeeze(1), offs_L)
+        return _reduced(amax_L, spec, name, split_k, tokens=True)[gid_M].unsqueeze(1)
     return _reduced(a_M1, spec, name, split_k)
 
 
-def _rows_along_k(x_MK, gid_M, L: int, t: Tiling, fmt: str, spec: FP8Spec, name: str, split_k: bool):
+def _rows_along_k(x_MK, offs_L, gid_M, t: Tiling, fmt: str, spec: FP8Spec, name: str, split_k: bool):
     """Activations along their features: one scale per expert, per row, or per 1 x 128 tile."""
     if t.cols is None:
-        return _fake(x_MK, rows_amax(x_MK, gid_M, L, t, spec, name, split_k), fmt)
+        return _fake(x_MK, rows_amax(x_MK, offs_L, gid_M, t, spec, name, split_k), fmt)
     M, K = x_MK.shape
     tiles = x_MK.detach().abs().float().reshape(M, K // BLOCK, BLOCK).amax(2, keepdim=True)  # never straddles ranks
     return _fake(x_MK.reshape(M, K // BLOCK, BLOCK), tiles, fmt).reshape(M, K)
@@ -87,10 +91,9 @@ def _rows_along_k(x_MK, gid_M, L: int, t: Tiling, fmt: str, spec: FP8Spec, name:
 def weights_amax(w_LKN, along: str, t: Tiling, spec: FP8Spec, name: str, reduce: bool, split_along: bool):
     """Each expert's weight along K (forward: the GEMM reduces over K) or along N (dgrad): (L, 1, 1) per expert,
     (L, 1, N) or (L, K, 1) per row of the GEMM. Not blockwise."""
-    a = w_LKN.detach().abs().float()
     if t == Tiling(None, None):
-        return _reduced(a.amax((1, 2), keepdim=True), spec, name, reduce)
-    return _reduced(a.amax(1 if along == "K" else 2, keepdim=True), spec, name, split_along)
+        return _reduced(abs_amax(w_LKN.detach(), (1, 2)), spec, name, reduce)
+    return _reduced(abs_amax(w_LKN.detach(), 1 if along == "K" else 2), spec, name, split_along)
 
 
 def _weights(w_LKN, along: str, t: Tiling, fmt: str, spec: FP8Spec, name: str, reduce: bool, split_along: bool):
@@ -104,35 +107,41 @@ def _weights(w_LKN, along: str, t: Tiling, fmt: str, spec: FP8Spec, name: str, r
     return _fake(w_LKN.reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK), tiles, fmt).reshape(L, K, N)
 
 
-def tokens_amax(x_MK, gid_M, L: int, t: Tiling, spec: FP8Spec, name: str, split_k: bool) -> torch.Tensor:
+def tokens_amax(x_MK, offs_L, t: Tiling, spec: FP8Spec, name: str, split_k: bool) -> torch.Tensor:
     """An operand of the wgrad GEMM, which reduces over each expert's tokens: amax per expert (L, 1) or per
     (expert, feature) (L, K). Not blockwise."""
-    M, K = x_MK.shape
     if t == Tiling(None, None):
-        amax_L = _expert_amax(abs_amax(x_MK.detach(), 1).squeeze(1), gid_M, L)
+        amax_L = _segment_amax(abs_amax(x_MK.detach(), 1).squeeze(1), offs_L)
         return _reduced(amax_L, spec, name, split_k, tokens=True).unsqueeze(1)
-    amax_LK = torch.zeros(L, K, device=x_MK.device).scatter_reduce(
-        0, gid_M.unsqueeze(1).expand(M, K), x_MK.detach().abs().float(), "amax", include_self=True)
-    return _reduced(amax_LK, spec, name, False, tokens=True)
+    return _reduced(_segment_amax(x_MK.detach().abs(), offs_L), spec, name, False, tokens=True)
 
 
-def _tokens_per_expert(x_MK, gid_M, starts_L, L: int, t: Tiling, fmt: str, spec: FP8Spec, name: str,
-                       split_k: bool):
+def _tokens_per_expert(x_MK, offs_L, gid_M, t: Tiling, fmt: str, spec: FP8Spec, name: str, split_k: bool):
     """An operand of the wgrad GEMM, which reduces over each expert's tokens: scales per expert, per (expert,
     feature) or per (128-token tile of an expert, feature)."""
     if t.cols is None:
-        return _fake(x_MK, tokens_amax(x_MK, gid_M, L, t, spec, name, split_k)[gid_M], fmt)
+        return _fake(x_MK, tokens_amax(x_MK, offs_L, t, spec, name, split_k)[gid_M], fmt)
     M, K = x_MK.shape
+    L = offs_L.numel()
+    starts_L = torch.cat([offs_L.new_zeros(1), offs_L[:-1]]).to(torch.int64)
     tile_M = gid_M * (M // BLOCK + 1) + (torch.arange(M, device=x_MK.device) - starts_L[gid_M]) // BLOCK
     amax_TK = torch.zeros(L * (M // BLOCK + 1), K, device=x_MK.device).scatter_reduce(
         0, tile_M.unsqueeze(1).expand(M, K), x_MK.detach().abs().float(), "amax", include_self=True)
     return _fake(x_MK, amax_TK[tile_M], fmt)
 
 
+def on_kernel(t: torch.Tensor) -> torch.Tensor:
+    """An emulated operand for the grouped GEMM: bf16 on CUDA, where torch's fp32 grouped GEMM is a slow,
+    host-synchronising fallback and the bf16 one accumulates in fp32 (FP8 and FP4 values are exact in bf16; their
+    dequantization scales add one bf16 rounding); unchanged elsewhere."""
+    return t.to(torch.bfloat16) if t.is_cuda else t
+
+
 def _wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor) -> torch.Tensor:
     """``dW_g = x_g^T dy_g`` for every expert: torch's grouped GEMM over the token dimension, or (float64, unaligned)
     a scatter-add of outer products."""
     L = offs_L.numel()
+    x_MK, dy_MN = on_kernel(x_MK), on_kernel(dy_MN)
     size = x_MK.element_size()
     if x_MK.dtype in (torch.float32, torch.bfloat16) and (x_MK.shape[1] * size) % 16 == 0 \
             and (dy_MN.shape[1] * size) % 16 == 0:
@@ -147,20 +156,17 @@ def emulated_dgrad(dy_MN, w_LKN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
     from lightning_moe.modules.experts import grouped_mm
     fwd, bwd = spec.formats()
     col, row = spec.split == "out", spec.split == "in"
-    L = w_LKN.shape[0]
-    dyq = _rows_along_k(dy_MN, gid_M, L, tiling(spec.recipe, "grad"), bwd, spec, "dy", col)
+    dyq = _rows_along_k(dy_MN, offs_L, gid_M, tiling(spec.recipe, "grad"), bwd, spec, "dy", col)
     wq = _weights(w_LKN, "N", tiling(spec.recipe, "weight"), fwd, spec, "w_t", col or row, col)
-    return grouped_mm(dyq, wq.transpose(1, 2), offs_L)
+    return grouped_mm(on_kernel(dyq), on_kernel(wq).transpose(1, 2), offs_L)
 
 
 def emulated_wgrad(x_MK, dy_MN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
     """``dW_g = x_g^T dy_g``, reduced over the expert's tokens."""
     fwd, bwd = spec.formats()
     col, row = spec.split == "out", spec.split == "in"
-    L = offs_L.numel()
-    starts_L = torch.cat([offs_L.new_zeros(1), offs_L[:-1]]).to(torch.int64)
-    xq = _tokens_per_expert(x_MK, gid_M, starts_L, L, tiling(spec.recipe, "input"), fwd, spec, "x_t", row)
-    dyq = _tokens_per_expert(dy_MN, gid_M, starts_L, L, tiling(spec.recipe, "grad"), bwd, spec, "dy_t", col)
+    xq = _tokens_per_expert(x_MK, offs_L, gid_M, tiling(spec.recipe, "input"), fwd, spec, "x_t", row)
+    dyq = _tokens_per_expert(dy_MN, offs_L, gid_M, tiling(spec.recipe, "grad"), bwd, spec, "dy_t", col)
     return _wgrad(xq, dyq, offs_L, gid_M)
 
 
@@ -173,15 +179,15 @@ class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec):
         from lightning_moe.modules.experts import grouped_mm
-        L, M = w_LKN.shape[0], x_MK.shape[0]
+        M = x_MK.shape[0]
         gid_M = expert_of_rows(M, offs_L, x_MK.device)
         ctx.save_for_backward(x_MK, w_LKN, offs_L, gid_M)
         ctx.spec = spec
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
-        xq = _rows_along_k(x_MK, gid_M, L, tiling(spec.recipe, "input"), fwd, spec, "x", row)
+        xq = _rows_along_k(x_MK, offs_L, gid_M, tiling(spec.recipe, "input"), fwd, spec, "x", row)
         wq = _weights(w_LKN, "K", tiling(spec.recipe, "weight"), fwd, spec, "w", col or row, row)
-        return grouped_mm(xq, wq, offs_L).to(x_MK.dtype)
+        return grouped_mm(on_kernel(xq), on_kernel(wq), offs_L).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):

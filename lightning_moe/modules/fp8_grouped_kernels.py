@@ -46,19 +46,30 @@ def _gemm(a, b, scale_a, scale_b, offs, fast: bool) -> torch.Tensor:
                                     offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
-def _saturate_rows(x_MK, scale_LX, gid_M, fmax: float, dtype):
-    """``x`` scaled by its expert's row of scales (per expert and feature), saturated and cast."""
-    return (x_MK.float() * scale_LX[gid_M]).clamp(-fmax, fmax).to(dtype)
+def _saturate_t(x_LRC, scale, fmax: float, dtype):
+    """Quantized and laid out transposed (the last two dimensions swapped in memory), in one pass."""
+    return (x_LRC.float() * scale).clamp(-fmax, fmax).to(dtype).transpose(-2, -1).contiguous()
 
 
-saturate_rows = fused(_saturate_rows)
+def _saturate_rows_t(x_PX, scale_LX, gid_P, fmax: float, dtype):
+    """Rows scaled by their expert's scales (per expert, or per expert and feature), quantized, transposed."""
+    return (x_PX.float() * scale_LX[gid_P]).clamp(-fmax, fmax).to(dtype).t().contiguous()
 
 
-def _by_expert(x_MK, amax_LX, gid_M, fmt: str):
-    """``x`` quantized with per-expert (L, 1) or per-expert-and-feature (L, X) amaxes; the scales as (L, X)."""
+saturate_t, saturate_rows_t = fused(_saturate_t), fused(_saturate_rows_t)
+
+
+def _scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    return FORMATS[fmt][1] / amax.float().clamp_min(1e-12)
+
+
+def _by_expert_t(x_MX, amax_LX, dest_M, gid_P, P: int, fmt: str):
+    """The wgrad operand: ``x``'s rows at their padded places, quantized with per-expert (L, 1) or per-expert-and-
+    feature (L, X) scales, transposed to (X, P); and the scales as (L, X)."""
     dtype, fmax = FORMATS[fmt]
-    scale_LX = fmax / amax_LX.float().clamp_min(1e-12)
-    return saturate_rows(x_MK, scale_LX, gid_M, fmax, dtype), scale_LX.expand(-1, x_MK.shape[1])
+    scale_LX = _scale(amax_LX, fmt)
+    x_PX = scatter_rows(x_MX, dest_M, P)
+    return saturate_rows_t(x_PX, scale_LX, gid_P, fmax, dtype), scale_LX.expand(-1, x_MX.shape[1])
 
 
 class _ScaledGroupedMM(torch.autograd.Function):
@@ -72,10 +83,10 @@ class _ScaledGroupedMM(torch.autograd.Function):
         ctx.spec = spec
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
-        xq, xs = _cast(x_MK, rows_amax(x_MK, gid_M, L, tiling(spec.recipe, "input"), spec, "x", row), fwd)
-        wq, ws = _cast(w_LKN, weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row),
-                       fwd)
-        w_cm = wq.transpose(1, 2).contiguous().transpose(1, 2)  # column-major, as the kernel reads B
+        xq, xs = _cast(x_MK, rows_amax(x_MK, offs, gid_M, tiling(spec.recipe, "input"), spec, "x", row), fwd)
+        ws = _scale(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
+        dtype, fmax = FORMATS[fwd]
+        w_cm = saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2)  # column-major, as the kernel reads B
         y = _gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, True)
         return y.to(x_MK.dtype)
 
@@ -93,15 +104,15 @@ class _ScaledGroupedMM(torch.autograd.Function):
         t_in, t_grad, t_w = (tiling(spec.recipe, r) for r in ("input", "grad", "weight"))
         dy_MN = dy_MN.contiguous()
         # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
-        dyq, dys = _cast(dy_MN, rows_amax(dy_MN, gid_M, L, t_grad, spec, "dy", col), bwd)
+        dyq, dys = _cast(dy_MN, rows_amax(dy_MN, offs, gid_M, t_grad, spec, "dy", col), bwd)
         wq, ws = _cast(w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd)
         dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs, False)
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries
         dest_M, poffs_L, _, P = padded_layout(offs, M, ALIGN)
-        xq, xs_LK = _by_expert(x_MK, tokens_amax(x_MK, gid_M, L, t_in, spec, "x_t", row), gid_M, fwd)
-        dq, ds_LN = _by_expert(dy_MN, tokens_amax(dy_MN, gid_M, L, t_grad, spec, "dy_t", col), gid_M, bwd)
-        xT_KP = scatter_rows(xq, dest_M, P).t().contiguous()
-        dyT_NP = scatter_rows(dq, dest_M, P).t().contiguous()
+        gid_P = expert_of_rows(P, poffs_L, x_MK.device)
+        xT_KP, xs_LK = _by_expert_t(x_MK, tokens_amax(x_MK, offs, t_in, spec, "x_t", row), dest_M, gid_P, P, fwd)
+        dyT_NP, ds_LN = _by_expert_t(dy_MN, tokens_amax(dy_MN, offs, t_grad, spec, "dy_t", col), dest_M, gid_P, P,
+                                     bwd)
         dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32), False)
         return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.modules.fp8_grouped import _wgrad
+from lightning_moe.modules.fp8_grouped import _wgrad, on_kernel
 from lightning_moe.modules.expert_padding import padded_layout
 from lightning_moe.modules.nvfp4 import BLOCK, apply_along_rows, fake_quantize, random_hadamard
 
@@ -123,14 +123,15 @@ class _NVFP4GroupedMM(torch.autograd.Function):
         wq = _expert_weights(w_LKN)
         ctx.save_for_backward(x_MK, wq, offs_L, gid)
         ctx.spec, ctx.w_dtype = spec, w_LKN.dtype
-        return grouped_mm(_expert_rows(x_MK, gid, L, False), wq, offs_L).to(x_MK.dtype)
+        return grouped_mm(on_kernel(_expert_rows(x_MK, gid, L, False)), on_kernel(wq), offs_L).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
         from lightning_moe.modules.experts import grouped_mm
         x_MK, wq, offs_L, gid = ctx.saved_tensors
         spec, L = ctx.spec, wq.shape[0]
-        dx = grouped_mm(_expert_rows(dy_MN, gid, L, spec.stochastic), wq.transpose(1, 2).contiguous(), offs_L)
+        dx = grouped_mm(on_kernel(_expert_rows(dy_MN, gid, L, spec.stochastic)),
+                        on_kernel(wq.transpose(1, 2).contiguous()), offs_L)
         dw = _expert_wgrad(x_MK, dy_MN, offs_L, spec)
         return dx.to(x_MK.dtype), dw.to(ctx.w_dtype), None, None
 

@@ -1,0 +1,60 @@
+"""Where an FP8 expert block's time goes: the SwiGLU grouped-GEMM block of ``bench_layer.py`` at one shape, forward +
+backward, in bf16 and in FP8 (``--precision``), profiled; prints each run's CUDA kernels by total time as JSON.
+
+    python benchmarks/profile_fp8_block.py --shape qwen3 --precision fp8-rowwise,fp8-tensorwise
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+from bench_layer import SHAPES, bare_block, fp8_block, fp8_specs
+from common import emit, env_info, pick_device, time_fn
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3", choices=list(SHAPES))
+    p.add_argument("--precision", default="fp8-rowwise,fp8-tensorwise")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = pick_device(False)
+    s = SHAPES[args.shape]
+    E, h, f, M = s["E"], s["h"], s["f"], s["T"] * s["k"]
+    offs = torch.full((E,), M // E, device=device).cumsum(0).to(torch.int32)
+    x = torch.randn(M, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w13 = (torch.randn(E, h, 2 * f, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    w2 = (torch.randn(E, f, h, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    g = torch.randn(M, h, device=device, dtype=torch.bfloat16)
+    result = {"benchmark": "fp8_block_profile", "env": env_info(device), "shape": args.shape, "runs": {}}
+    for precision in ["bf16"] + [q for q in args.precision.split(",") if q]:
+        if precision == "bf16":
+            def step():
+                bare_block(x, w13, w2, offs).backward(g)
+        else:
+            s1, s2 = fp8_specs(precision)
+
+            def step(s1=s1, s2=s2):
+                fp8_block(x, w13, w2, offs, s1, s2).backward(g)
+        t = time_fn(step, device, 10, 3, [x, w13, w2], "events")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name[:90]] += e.device_time_total / 3 / 1e3
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:args.top]
+        result["runs"][precision] = {"median_ms": t["median_ms"], "kernel_ms_total": sum(per.values()),
+                                     "top_kernels_ms": {k: round(v, 3) for k, v in top}}
+    emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
