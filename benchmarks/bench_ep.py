@@ -4,7 +4,10 @@ Weak scaling: each rank routes T tokens over E experts; EP=1 holds all E experts
 split with CUDA events around the dispatcher's steps: local permute + count exchange + host sync of split sizes
 (dispatch_preprocess), the token all-to-all (token_dispatch / token_combine), experts, and the rest.
 
-    python benchmarks/bench_ep.py --ep 2 --shape qwen3 [--dispatcher alltoall_dedup] --out ep.json
+--fp8-dispatch also times the EP layer with the token all-to-all in FP8 (E4M3 rows and an fp32 scale each:
+h + 4 bytes a row instead of 2h; ``lightning_moe/modules/fp8_dispatch.py``); the GEMMs stay bf16 in every run.
+
+    python benchmarks/bench_ep.py --ep 2 --shape qwen3 [--dispatcher alltoall_dedup] [--fp8-dispatch] --out ep.json
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def _timed(layer, x, iters, split):
     return out
 
 
-def worker(rank, world, shape_name, iters, out_path, dispatcher="alltoall"):
+def worker(rank, world, shape_name, iters, out_path, dispatcher="alltoall", fp8_dispatch=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -74,8 +77,12 @@ def worker(rank, world, shape_name, iters, out_path, dispatcher="alltoall"):
     gen = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(shape["T"] // 4096, 4096, shape["h"], device="cuda", dtype=torch.bfloat16, generator=gen)
     res = {"rank": rank}
-    for label, c in (("ep1", ParallelContext.single()), (f"ep{world}", ctx)):
+    ep = f"ep{world}"
+    runs = [("ep1", ParallelContext.single(), False), (ep, ctx, False)]
+    runs += [(f"{ep}_fp8_dispatch", ctx, True)] if fp8_dispatch else []
+    for label, c, fp8 in runs:
         layer = _layer(shape, c, dispatcher)
+        layer.dispatcher.fp8_dispatch = fp8
         plain = _timed(layer, x, iters, split=False)
         split = _timed(layer, x, max(3, iters // 2), split=True)
         counts = layer.last_stats["tokens_per_expert"].float()
@@ -85,12 +92,18 @@ def worker(rank, world, shape_name, iters, out_path, dispatcher="alltoall"):
                       "router_imbalance_max_over_mean": (counts.max() / counts.mean()).item()}
         del layer
         torch.cuda.empty_cache()
-    res[f"ep{world}"]["weak_scaling_efficiency"] = res[f"ep{world}"]["tflops_per_gpu"] / res["ep1"]["tflops_per_gpu"]
+    for label, *_ in runs[1:]:
+        res[label]["weak_scaling_efficiency"] = res[label]["tflops_per_gpu"] / res["ep1"]["tflops_per_gpu"]
+    if fp8_dispatch:  # > 1: the FP8 all-to-all is faster than the bf16 one
+        on = res[f"{ep}_fp8_dispatch"]
+        on["fwd_bwd_speedup"] = res[ep]["fwd_bwd_ms"] / on["fwd_bwd_ms"]
+        on["token_dispatch_speedup"] = res[ep]["fwd_token_dispatch_ms"] / on["fwd_token_dispatch_ms"]
     gathered = [None] * world
     dist.all_gather_object(gathered, res)
     if rank == 0:
         import json
-        text = json.dumps({"benchmark": "moe_layer_ep", "shape": shape_name, "dispatcher": dispatcher, **SHAPES[shape_name], "world": world,
+        text = json.dumps({"benchmark": "moe_layer_ep", "shape": shape_name, "dispatcher": dispatcher,
+                           "fp8_dispatch": fp8_dispatch, **SHAPES[shape_name], "world": world,
                            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ranks": gathered},
                           indent=1)
         print(text)
@@ -107,8 +120,12 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "alltoall_dedup", "allgather"))
+    p.add_argument("--fp8-dispatch", action="store_true",
+                   help="also time the EP layer with the token all-to-all in FP8 (alltoall dispatcher only)")
     a = p.parse_args()
-    mp.spawn(worker, args=(a.ep, a.shape, a.iters, a.out, a.dispatcher), nprocs=a.ep)
+    if a.fp8_dispatch and a.dispatcher != "alltoall":
+        p.error(f"--fp8-dispatch needs --dispatcher alltoall, not {a.dispatcher}")
+    mp.spawn(worker, args=(a.ep, a.shape, a.iters, a.out, a.dispatcher, a.fp8_dispatch), nprocs=a.ep)
 
 
 if __name__ == "__main__":

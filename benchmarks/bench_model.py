@@ -20,6 +20,7 @@ else the local copy below); MFU is against the dense bf16 peak of 989.4 TFLOPS (
     python benchmarks/bench_model.py                       # both presets, each in its own subprocess
     python benchmarks/bench_model.py --preset qwen3-30b-a3b --batch 2 --steps 20 --out qwen3.json
     python benchmarks/bench_model.py --smoke               # tiny CPU float32 run, used by the CPU test
+    python benchmarks/bench_model.py --preset qwen3-30b-a3b --devices 2 --ep 2 --fp8 rowwise --fp8-dispatch
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ def run_one(args, preset: str) -> dict:
             memory_callbacks.append(ActivationOffload(args.offload_activations.split(",")))
         if args.fp8:  # FLOPs stay counted as in bf16 (as Megatron counts them): MFU stays comparable
             from lightning_moe import FP8Training
-            memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format))
+            memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format, fp8_dispatch=args.fp8_dispatch))
         if args.nvfp4:
             from lightning_moe import NVFP4Training
             memory_callbacks.append(NVFP4Training())
@@ -348,7 +349,7 @@ def run_one(args, preset: str) -> dict:
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
            "compile": False, "devices": args.devices, "recompute": args.recompute,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
-           "nvfp4": args.nvfp4,
+           "fp8_dispatch": args.fp8_dispatch, "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
@@ -376,12 +377,15 @@ def run_in_subprocess(args, preset: str) -> dict:
                             ("--offload", args.offload), ("--exp-avg-dtype", args.exp_avg_dtype),
                             ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype),
                             ("--main-params-dtype", args.main_params_dtype), ("--recompute", args.recompute),
-                            ("--offload-activations", args.offload_activations)):
+                            ("--offload-activations", args.offload_activations), ("--fp8", args.fp8),
+                            ("--fp8-format", args.fp8_format)):
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--compile"] if args.compile else []
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
+        cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
+        cmd += ["--nvfp4"] if args.nvfp4 else []
         cmd += ["--smoke"] if args.smoke else []
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
         if proc.returncode != 0 or not os.path.isfile(out):
@@ -439,6 +443,8 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8", default=None, help="lightning_moe.FP8Training(recipe): tensorwise, delayed, rowwise, "
                    "blockwise")
     p.add_argument("--fp8-format", default=None, help="FP8Training(fp8_format=...): hybrid or e4m3")
+    p.add_argument("--fp8-dispatch", action="store_true",
+                   help="with --fp8: FP8Training(fp8_dispatch=True), the token all-to-all in FP8 (alltoall dispatcher)")
     p.add_argument("--nvfp4", action="store_true", help="lightning_moe.NVFP4Training() (emulated on Hopper)")
     p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")
@@ -447,6 +453,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.gaps and not args.profile:
         p.error("--gaps needs --profile PATH (it analyses the profiled steps)")
+    if args.fp8_dispatch and not args.fp8:
+        p.error("--fp8-dispatch needs --fp8 RECIPE (it is an option of FP8Training)")
     presets = [s.strip() for s in (args.preset or ("tiny" if args.smoke else DEFAULT_PRESETS)).split(",")
                if s.strip()]
     device = pick_device(args.smoke)

@@ -99,15 +99,15 @@ def test_bench_model_smoke(model_result):
 
 
 def test_bench_model_optimizer_options_smoke():
-    """The distributed optimizer with half the state offloaded and bf16 first moments (and FP8 GEMMs): the run
-    reports the optimizer's share of the step and the predicted bytes per parameter (one process, fp32 weights: 4
-    weight + 4 grad + half of the 2 + 4 bytes of moments on the device; the other half, the weight copy and the
-    gradient copy of that half on the host)."""
+    """The distributed optimizer with half the state offloaded and bf16 first moments (and FP8 GEMMs and token
+    dispatch): the run reports the optimizer's share of the step and the predicted bytes per parameter (one process,
+    fp32 weights: 4 weight + 4 grad + half of the 2 + 4 bytes of moments on the device; the other half, the weight
+    copy and the gradient copy of that half on the host)."""
     res = _run("bench_model.py", "--distributed-optimizer", "--offload", "0.5", "--exp-avg-dtype", "bf16",
-               "--fp8", "rowwise")
+               "--fp8", "rowwise", "--fp8-dispatch")
     (r,) = res["records"]
     assert "error" not in r, r
-    assert r["fp8"] == "rowwise"
+    assert r["fp8"] == "rowwise" and r["fp8_dispatch"] is True
     assert "distributed_optimizer=True" in r["strategy"] and "optimizer_cpu_offload=0.5" in r["strategy"]
     assert _positive(r["optimizer_step_ms_median"]) and r["losses_finite"] is True
     assert r["device_bytes_per_param"] == pytest.approx(4 + 4 + 6 / 2)

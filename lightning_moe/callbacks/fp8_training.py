@@ -10,6 +10,9 @@ Dense GEMMs run on ``torch._scaled_mm`` for tensorwise and rowwise scales (GPUs 
 CPU) and emulated otherwise. The experts' grouped GEMMs run on ``torch._scaled_grouped_mm`` on Hopper (E4M3 operands
 with row and column scales: the tensorwise, delayed and rowwise recipes; gradients too with ``fp8_format="e4m3"``)
 and emulated otherwise (quantized, dequantized, multiplied in fp32). The log says which path each GEMM took.
+
+``fp8_dispatch=True`` also sends the tokens of the ``alltoall`` dispatcher's dispatch all-to-all in E4M3, one fp32
+scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the bytes of bf16 on the wire.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
 from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
+from lightning_moe.modules.dispatchers import AllToAllDispatcher
 from lightning_moe.modules.fp8 import RECIPES
 from lightning_moe.modules.fp8_grouped import check_dims, fp8_grouped_mm
 from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
@@ -40,10 +45,16 @@ class FP8Training(L.Callback):
         fp8_format: Megatron's ``--fp8-format``: ``"hybrid"`` (E4M3 forward, E5M2 gradients) or ``"e4m3"``
             (everywhere). Default: hybrid for tensorwise and delayed, e4m3 for rowwise and blockwise. Hopper has no
             grouped kernel for E5M2 gradients: the experts' backward GEMMs are emulated under hybrid.
+        fp8_dispatch: quantize each token to E4M3 with one fp32 scale (448 / its amax) before the dispatch
+            all-to-all of the ``alltoall`` dispatcher, and dequantize on arrival (DeepEP's FP8 dispatch). The
+            gradient returns in the activations' precision (straight-through), and the combine all-to-all stays in
+            it. Under EP = 1 the same rounding applies where the all-to-all would be, so every layout gives the same
+            numbers. Other dispatchers are refused. Independent of ``exclude`` (it applies to every MoE layer).
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
-                 emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None):
+                 emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None,
+                 fp8_dispatch: bool = False):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
         if fp8_format not in (None, "hybrid", "e4m3"):
@@ -57,7 +68,9 @@ class FP8Training(L.Callback):
             raise ValueError(f"FP8Training(amax_history={amax_history}): must be >= 1")
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
+        self.fp8_dispatch = fp8_dispatch
         self._swapped: list = []
+        self._dispatchers: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         device = trainer.strategy.root_device
@@ -66,6 +79,7 @@ class FP8Training(L.Callback):
             raise ValueError(f"FP8Training: {torch.cuda.get_device_name(device)} has no FP8 tensor cores (compute "
                              "capability 8.9+ needed); pass emulate=True to train with emulated FP8")
         ctx = getattr(pl_module, "parallel_context", None)
+        dispatchers = self._fp8_dispatchers(pl_module) if self.fp8_dispatch else []
         targets = list(gemms(pl_module, self.exclude, self.include_head))
         problems = [why for g in targets for why in [self._check(g, device)] if why]
         if problems:
@@ -74,6 +88,9 @@ class FP8Training(L.Callback):
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
         for g in targets:
             swap(g, fp8_linear, fp8_grouped_mm, self._spec(g, ctx), self._swapped)
+        for d in dispatchers:
+            d.fp8_dispatch = True
+        self._dispatchers = dispatchers
         grouped = [g for g in targets if g.grouped]
         dense = "emulated" if emulate or self.recipe == "blockwise" else "torch._scaled_mm"
         on_kernel = sum(not emulate and self.recipe != "blockwise" and g.K % 16 == 0 and g.N % 16 == 0
@@ -82,7 +99,18 @@ class FP8Training(L.Callback):
             " (their backward emulated: no E5M2 grouped kernel; fp8_format='e4m3' runs it on the kernel)"
         rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - len(grouped)} dense GEMMs ({dense}), "
                        f"{len(grouped)} expert grouped GEMMs ({on_kernel} on torch._scaled_grouped_mm{backward}, "
-                       f"{len(grouped) - on_kernel} emulated)")
+                       f"{len(grouped) - on_kernel} emulated)"
+                       + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else ""))
+
+    def _fp8_dispatchers(self, pl_module) -> list:
+        """Every MoE layer's dispatcher; ValueError if one is not the all-to-all (the only one with an FP8 path)."""
+        layers = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, MoELayer)]
+        for name, layer in layers:
+            if not isinstance(layer.dispatcher, AllToAllDispatcher):
+                raise ValueError(f"FP8Training(fp8_dispatch=True) needs the 'alltoall' dispatcher, but {name} uses "
+                                 f"dispatcher={layer.dispatcher.cfg.dispatcher!r}; set dispatcher: alltoall or "
+                                 "leave fp8_dispatch off")
+        return [layer.dispatcher for _, layer in layers]
 
     def _spec(self, g: Gemm, ctx) -> FP8Spec:
         """The groups whose ranks split the GEMM's features (TP, ETP) or tokens (DP x CP, EDP): they share scales, as
@@ -109,3 +137,6 @@ class FP8Training(L.Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         unswap(self._swapped)
+        for d in self._dispatchers:
+            d.__dict__.pop("fp8_dispatch", None)
+        self._dispatchers = []

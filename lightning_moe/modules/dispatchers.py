@@ -3,6 +3,8 @@
 AllToAllDispatcher: permute locally by global expert, all-to-all over EP, all-gather over ETP, experts,
 reduce-scatter over ETP, all-to-all back, unpermute. Dropless split sizes are data-dependent, so one small
 device->host copy per layer is unavoidable there (Megatron pays the same); padded capacity has static splits.
+With ``fp8_dispatch`` (set by ``FP8Training``) the token all-to-all carries E4M3 rows and their scales
+(``fp8_dispatch.py``); the combine stays in the activations' precision.
 
 AllGatherDispatcher: all-gather every token of the ETP x EP group, run the local experts on the copies routed to
 them, weight by the router probabilities, reduce-scatter the sums back. All shapes are static: no host sync.
@@ -13,11 +15,14 @@ from __future__ import annotations
 import torch
 
 from lightning_moe.modules.dispatcher import DispatchState, TokenDispatcher
+from lightning_moe.modules.fp8_dispatch import fp8_all_to_all
 from lightning_moe.modules.permute import combine_rows, gather_tokens, permute_rows
 from lightning_moe.strategy import comm
 
 
 class AllToAllDispatcher(TokenDispatcher):
+    fp8_dispatch = False  # FP8Training(fp8_dispatch=True): tokens travel in E4M3 with a scale per row
+
     def dispatch_preprocess(self, x_TD, route):
         x_ND, st = super().dispatch_preprocess(x_TD, route)
         ep, etp, L = self.ctx.ep, self.ctx.etp, self.num_local_experts
@@ -41,13 +46,14 @@ class AllToAllDispatcher(TokenDispatcher):
         return x_ND[:kept], st
 
     def token_dispatch(self, x_ND, st):
-        if "send" not in st.extra:
-            return x_ND
+        if "send" not in st.extra:  # one rank: FP8 dispatch still rounds here, so that it matches the EP run
+            return fp8_all_to_all(x_ND) if self.fp8_dispatch else x_ND
         ep, etp, L = self.ctx.ep, self.ctx.etp, self.num_local_experts
         rh = st.extra["recv_host"]
         per_src = [sum(rh[s * L:(s + 1) * L]) for s in range(etp * ep)]
         ep_recv = per_src[self.ctx.rank("etp") * ep:(self.ctx.rank("etp") + 1) * ep]
-        x_MD = comm.all_to_all(x_ND, ep_recv, st.extra["send"], self.ctx.group("ep"))
+        all_to_all = fp8_all_to_all if self.fp8_dispatch else comm.all_to_all
+        x_MD = all_to_all(x_ND, ep_recv, st.extra["send"], self.ctx.group("ep"))
         etp_sizes = [sum(per_src[j * ep:(j + 1) * ep]) for j in range(etp)]
         st.extra.update(ep_recv=ep_recv, etp_sizes=etp_sizes)
         return comm.all_gather_v(x_MD, etp_sizes, self.ctx.group("etp"))

@@ -1,6 +1,7 @@
 """FP8Training on one process (CPU: torch._scaled_mm for dense tensorwise/rowwise GEMMs, emulation otherwise): every
 recipe trains the tiny MoE to within 3 % of the fp32 loss over 40 steps while changing the numbers (FP8 is on);
-exclusions, the head, teardown, and the refusals, each before training with one clear error."""
+exclusions, the head, teardown, FP8 token dispatch switched on and off, and the refusals, each before training with
+one clear error."""
 
 from __future__ import annotations
 
@@ -74,6 +75,16 @@ def test_swaps_exclusions_head_and_teardown():
     _start(cb, _lm())
 
 
+def test_fp8_dispatch_flag_and_teardown():
+    lm = _lm()
+    dispatchers = [m.dispatcher for m in lm.model.moe_layers()]
+    cb = FP8Training("rowwise", fp8_dispatch=True)
+    _start(cb, lm)
+    assert dispatchers and all(d.fp8_dispatch for d in dispatchers)
+    cb.teardown(None, lm, "fit")
+    assert not any(d.fp8_dispatch for d in dispatchers)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="unknown recipe; valid: tensorwise, delayed, rowwise, blockwise"):
         FP8Training("mxfp8")
@@ -86,3 +97,9 @@ def test_refusals():
     with pytest.raises(ValueError, match=r"model.layers.0.attn.wk: 128 x 64 is not a multiple of the blockwise"):
         _start(FP8Training("blockwise"), lm)
     _start(FP8Training("blockwise", exclude=["*.wk", "*.wv"]), lm)  # excluded, it runs
+    lm = MoELanguageModel(preset="tiny", overrides=dict(MODEL, dispatcher="allgather"))
+    lm.configure_model()
+    with pytest.raises(ValueError, match=r"FP8Training\(fp8_dispatch=True\) needs the 'alltoall' dispatcher, but "
+                                         r"model.layers.1.ffn uses dispatcher='allgather'"):
+        _start(FP8Training("rowwise", fp8_dispatch=True), lm)
+    assert not any("_mm" in vars(m) for m in lm.modules())  # refused before any GEMM was swapped

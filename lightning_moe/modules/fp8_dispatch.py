@@ -1,0 +1,65 @@
+"""FP8 token dispatch: the dispatch all-to-all sends each token row in E4M3 with its fp32 scale, as DeepEP does.
+
+A row of D values travels as D + 4 bytes (the E4M3 bytes, then the 4 bytes of its scale) in one uint8 all-to-all,
+about half the bytes of bf16. The receiver dequantizes to the input's dtype. Backward is straight-through: the
+gradient goes back in the input's precision by the reverse all-to-all (as in DeepEP, only the dispatch is FP8).
+
+Scales are per row, so the numbers do not depend on the layout: without an EP group the same quantize-dequantize runs
+in place of the exchange, and one process is the exact reference of the EP run.
+
+Shapes: N rows sent, M rows received, D hidden, B = D + 4 bytes per packed row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe.modules.fp8 import FORMATS, abs_amax, saturate
+from lightning_moe.strategy import comm
+
+SCALE_BYTES = 4  # one fp32 scale per row
+
+
+def pack(x_ND: torch.Tensor) -> torch.Tensor:
+    """Each row in E4M3 (``scale = 448 / amax``, saturated) followed by the bytes of its fp32 scale: (N, D + 4) uint8."""
+    dtype, fmax = FORMATS["e4m3"]
+    scale_N1 = fmax / abs_amax(x_ND.detach(), 1).clamp_min(1e-12)  # an all-zero row (padding) stays zero
+    q_ND = saturate(x_ND.detach(), scale_N1, fmax, dtype)
+    scale_N4 = scale_N1.reshape(-1).view(torch.uint8).view(-1, SCALE_BYTES)  # flat first: N = 0 has odd strides
+    return torch.cat([q_ND.view(torch.uint8), scale_N4], dim=1)
+
+
+def unpack(packed_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of ``pack`` dequantized to ``dtype``."""
+    D = packed_NB.shape[1] - SCALE_BYTES
+    q_ND = packed_NB[:, :D].view(FORMATS["e4m3"][0])
+    scale_N1 = packed_NB[:, D:].contiguous().view(torch.float32)  # a copy: D + 4 need not keep 4-byte alignment
+    return (q_ND.float() / scale_N1).to(dtype)
+
+
+class _FP8AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        packed_NB = pack(x_ND)
+        if group is not None:
+            recv_MB = packed_NB.new_empty((sum(out_splits), packed_NB.shape[1]))
+            dist.all_to_all_single(recv_MB, packed_NB, out_splits, in_splits, group=group)
+            packed_NB = recv_MB
+        return unpack(packed_NB, x_ND.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        # straight-through: quantization is the identity for the gradient, which travels in its own precision
+        return comm.all_to_all(grad_MD, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def fp8_all_to_all(x_ND: torch.Tensor, out_splits: Optional[Sequence[int]] = None,
+                   in_splits: Optional[Sequence[int]] = None, group=None) -> torch.Tensor:
+    """``comm.all_to_all`` with the rows in FP8 on the wire; ``group=None``: the quantize-dequantize alone."""
+    if group is not None:
+        out_splits, in_splits = list(out_splits), list(in_splits)
+    return _FP8AllToAll.apply(x_ND, out_splits, in_splits, group)
