@@ -125,7 +125,7 @@ def _tokens_per_expert(x_MK, offs_L, gid_M, t: Tiling, fmt: str, spec: FP8Spec, 
     L = offs_L.numel()
     starts_L = torch.cat([offs_L.new_zeros(1), offs_L[:-1]]).to(torch.int64)
     tile_M = gid_M * (M // BLOCK + 1) + (torch.arange(M, device=x_MK.device) - starts_L[gid_M]) // BLOCK
-    amax_TK = torch.zeros(L * (M // BLOCK + 1), K, device=x_MK.device).scatter_reduce(
+    amax_TK = torch.zeros(L * (M // BLOCK + 1), K, device=x_MK.device, dtype=torch.float32).scatter_reduce(
         0, tile_M.unsqueeze(1).expand(M, K), x_MK.detach().abs().float(), "amax", include_self=True)
     return _fake(x_MK, amax_TK[tile_M], fmt)
 

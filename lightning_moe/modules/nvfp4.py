@@ -24,7 +24,7 @@ _EVEN = (True, False, True, False, True, False, True, False)  # E2M1 codes whose
 
 
 def _grid(device) -> torch.Tensor:
-    return torch.tensor(E2M1, device=device)
+    return torch.tensor(E2M1, device=device, dtype=torch.float32)
 
 
 def round_e2m1(v: torch.Tensor, stochastic: bool = False, generator: Optional[torch.Generator] = None
@@ -37,7 +37,7 @@ def round_e2m1(v: torch.Tensor, stochastic: bool = False, generator: Optional[to
     lo, hi = grid[i], grid[(i + 1).clamp(max=len(E2M1) - 1)]
     frac = torch.where(hi > lo, (a - lo) / (hi - lo), torch.zeros_like(a))
     if stochastic:
-        up = torch.rand(a.shape, generator=generator, device=a.device) < frac
+        up = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32) < frac
     else:
         even_lo = torch.tensor(_EVEN, device=v.device)[i]
         up = (frac > 0.5) | ((frac == 0.5) & ~even_lo)
@@ -90,7 +90,7 @@ def hadamard(n: int = BLOCK, device=None) -> torch.Tensor:
     """The orthonormal Sylvester Hadamard matrix of size ``n`` (a power of two)."""
     if n & (n - 1):
         raise ValueError(f"hadamard: size must be a power of two, got {n}")
-    h = torch.ones(1, 1, device=device)
+    h = torch.ones(1, 1, device=device, dtype=torch.float32)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h / math.sqrt(n)

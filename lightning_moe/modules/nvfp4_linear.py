@@ -80,7 +80,7 @@ def _expert_weights(w_LKN: torch.Tensor) -> torch.Tensor:
 
 def _expert_rows(x_MK: torch.Tensor, gid_M: torch.Tensor, L: int, stochastic: bool) -> torch.Tensor:
     """Rows along K in 1 x 16 blocks, with one tensor scale per expert."""
-    amax_L = torch.zeros(L, device=x_MK.device).scatter_reduce(0, gid_M, x_MK.detach().abs().amax(1).float(),
+    amax_L = torch.zeros(L, device=x_MK.device, dtype=torch.float32).scatter_reduce(0, gid_M, x_MK.detach().abs().amax(1).float(),
                                                                "amax", include_self=True)
     ts_L = (448.0 * 6.0) / amax_L.clamp_min(1e-12)
     return fake_quantize(x_MK.float(), stochastic=stochastic, ts=ts_L[gid_M].unsqueeze(1))
@@ -91,12 +91,12 @@ def _expert_wgrad(x_MK, dy_MN, offs_L, spec: NVFP4Spec) -> torch.Tensor:
     dest, poffs, gid, P = padded_layout(offs_L, M, BLOCK)
     valid = torch.arange(M, device=x_MK.device) < offs_L[-1].to(torch.int64)
     dest = torch.where(valid, dest, P - 1)  # tail rows (zeros) land in the spare last row, outside every expert
-    xp = torch.zeros(P, x_MK.shape[1], device=x_MK.device).index_copy_(0, dest, x_MK.float())
-    dyp = torch.zeros(P, dy_MN.shape[1], device=x_MK.device).index_copy_(0, dest, dy_MN.float())
+    xp = torch.zeros(P, x_MK.shape[1], device=x_MK.device, dtype=torch.float32).index_copy_(0, dest, x_MK.float())
+    dyp = torch.zeros(P, dy_MN.shape[1], device=x_MK.device, dtype=torch.float32).index_copy_(0, dest, dy_MN.float())
     pgid = torch.bucketize(torch.arange(P, device=x_MK.device), poffs, right=True).clamp_(max=L - 1)
 
     def per_expert_ts(a_PX):
-        amax_L = torch.zeros(L, device=a_PX.device).scatter_reduce(0, pgid, a_PX.abs().amax(1), "amax",
+        amax_L = torch.zeros(L, device=a_PX.device, dtype=torch.float32).scatter_reduce(0, pgid, a_PX.abs().amax(1), "amax",
                                                                    include_self=True)
         return ((448.0 * 6.0) / amax_L.clamp_min(1e-12))[pgid].unsqueeze(0)  # per token: a column of the K x P
 

@@ -90,3 +90,27 @@ def test_kernel_path_matches_the_emulation(monkeypatch, recipe, fmt):
         for a, b in zip(kernel, emulated):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert calls == ([3, 3, 2] if fmt != "hybrid" else [3]) * 2  # forward, dgrad, wgrad kernels per step
+
+
+@pytest.mark.parametrize("which", ["fp8-blockwise", "nvfp4"])
+def test_runs_under_a_bf16_default_dtype(which):
+    """``bf16-true`` makes bf16 the default dtype: the quantizers' own buffers (amaxes, scales, padded copies, random
+    numbers of stochastic rounding) must stay fp32 (a bf16 buffer breaks a scatter, or coarsens the rounding)."""
+    from lightning_moe.modules.nvfp4_linear import NVFP4Spec, make_hadamard, nvfp4_grouped_mm
+    x, w, dy = (t.bfloat16() for t in _data())
+    if which == "fp8-blockwise":
+        x, w = torch.nn.functional.pad(x, (0, 64)), torch.nn.functional.pad(w, (0, 32, 0, 64))
+        dy = torch.nn.functional.pad(dy, (0, 32))
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        x, w = x.requires_grad_(), w.requires_grad_()
+        offs = torch.tensor(OFFS, dtype=torch.int32)
+        y = (fp8_grouped_mm(x, w, offs, FP8Spec("blockwise")) if which == "fp8-blockwise"
+             else nvfp4_grouped_mm(x, w, offs, NVFP4Spec(make_hadamard(0))))
+        y.backward(dy)
+    finally:
+        torch.set_default_dtype(before)
+    ref = _reference(x.detach().float(), w.detach().float(), dy.float())
+    for g, r in zip((y.detach()[:70], x.grad[:70], w.grad), ref):
+        assert ((g.double() - r).norm() / r.norm()).item() < 0.3
