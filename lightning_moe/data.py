@@ -11,6 +11,7 @@ identical step for step, while trading dp for accumulation does not.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import tempfile
@@ -21,11 +22,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_moe.documents import LONG_DOCUMENTS, PackedDocumentDataset
+
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _BLOCK = 4096  # starts are drawn in blocks so random access to sample i costs one small RNG call
 _TRAIN_STREAM, _VAL_STREAM = 0, 1  # separate RNG streams; [seed, stream, block] never collides across seeds
 _CORPUS_CAP = 8 * 1024 * 1024
 _SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+DEFAULT_EOD = 0  # the default corpus's end-of-document token (byte-level: NUL)
 
 
 def write_tokens(path: str, tokens: Any, dtype: str = "uint16") -> str:
@@ -53,31 +57,42 @@ def write_tokens(path: str, tokens: Any, dtype: str = "uint16") -> str:
     return path
 
 
-def default_corpus_path(cache_dir: Optional[str] = None) -> str:
-    """Byte-level tokens (vocab 256, uint16) of this Python's own stdlib source, built once and cached.
-
-    Deterministic on one machine: sorted paths, fixed separator, fixed cap. Several ranks may build it at the same
-    time; the atomic write makes that harmless (identical content, last ``os.replace`` wins).
-    """
-    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lightning_moe")
-    path = os.path.join(cache_dir, "stdlib_bytes_v1.bin")
-    if os.path.isfile(path) and os.path.getsize(path) > 0:
-        return path
+def _stdlib_sources() -> list[str]:
     root = os.path.dirname(os.__file__)
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
         files += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(files)
+
+
+def _stdlib_corpus(path: str, separator: bytes) -> str:
     chunks, total = [], 0
-    for f in sorted(files):
+    for f in _stdlib_sources():
         if total >= _CORPUS_CAP:
             break
         with open(f, "rb") as fh:
-            data = fh.read() + b"\n"
+            data = fh.read()
+        data = (data.replace(bytes([DEFAULT_EOD]), b"") if separator != b"\n" else data) + separator
         chunks.append(data)
         total += len(data)
     buf = np.frombuffer(b"".join(chunks)[:_CORPUS_CAP], dtype=np.uint8)
     return write_tokens(path, buf.astype(np.uint16), "uint16")
+
+
+def default_corpus_path(cache_dir: Optional[str] = None, documents: bool = False) -> str:
+    """Byte-level tokens (vocab 256, uint16) of this Python's own stdlib source, built once and cached.
+    ``documents``: each source file is a document, ended by the token ``DEFAULT_EOD`` (the NUL byte, which source text
+    never holds); otherwise the files are joined by newlines.
+
+    Deterministic on one machine: sorted paths, fixed separator, fixed cap. Several ranks may build it at the same
+    time; the atomic write makes that harmless (identical content, last ``os.replace`` wins).
+    """
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lightning_moe")
+    path = os.path.join(cache_dir, "stdlib_documents_v1.bin" if documents else "stdlib_bytes_v1.bin")
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+        return path
+    return _stdlib_corpus(path, bytes([DEFAULT_EOD]) if documents else b"\n")
 
 
 def _check_token_file(path: str, dtype: str, seq_length: int) -> int:
@@ -195,7 +210,14 @@ class TokenDataModule(pl.LightningDataModule):
 
     def __init__(self, path: Optional[str] = None, dtype: str = "uint16", seq_length: int = 128, batch_size: int = 8,
                  seed: int = 1234, val_batches: int = 4, num_workers: int = 0, cache_dir: Optional[str] = None,
-                 train_samples: int = 10**7):
+                 train_samples: int = 10**7, pack_documents: bool = False, eod_token_id: Optional[int] = None,
+                 reset_positions: bool = True, long_documents: str = "split", document_multiple: int = 1):
+        """``pack_documents``: rows of whole documents separated by ``eod_token_id`` (``lightning_moe.documents``),
+        with position and document ids so that attention stays within each document and the loss skips the targets
+        across documents. ``reset_positions``: positions restart at each document. ``long_documents``: ``"split"`` a
+        document longer than a row into pieces, or ``"refuse"`` it. ``document_multiple``: pad every document to a
+        multiple of it (2 x context_parallel_size under CP). The default corpus has one document per source file and
+        ``eod_token_id`` 0."""
         super().__init__()
         for name, value, low in (("seq_length", seq_length, 1), ("batch_size", batch_size, 1),
                                  ("val_batches", val_batches, 0), ("num_workers", num_workers, 0),
@@ -204,6 +226,21 @@ class TokenDataModule(pl.LightningDataModule):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if pack_documents:
+            if eod_token_id is None and path is not None:
+                raise ValueError("eod_token_id: pack_documents needs the end-of-document token id of the token file "
+                                 f"{path!r} (the default corpus uses {DEFAULT_EOD})")
+            eod_token_id = DEFAULT_EOD if eod_token_id is None else eod_token_id
+            if int(eod_token_id) != eod_token_id or not 0 <= eod_token_id <= np.iinfo(_DTYPES[dtype]).max:
+                raise ValueError(f"eod_token_id must be a token id of dtype {dtype}, got {eod_token_id!r}")
+            if long_documents not in LONG_DOCUMENTS:
+                raise ValueError(f"long_documents must be one of {LONG_DOCUMENTS}, got {long_documents!r}")
+            if int(document_multiple) != document_multiple or document_multiple < 1 or seq_length % document_multiple:
+                raise ValueError(f"document_multiple must be an integer >= 1 dividing seq_length={seq_length}, got "
+                                 f"{document_multiple!r}")
+        self.pack_documents, self.eod_token_id = pack_documents, eod_token_id
+        self.reset_positions, self.long_documents = reset_positions, long_documents
+        self.document_multiple = document_multiple
         self.path, self.dtype, self.seq_length, self.batch_size = path, dtype, seq_length, batch_size
         self.seed, self.val_batches, self.num_workers, self.cache_dir = seed, val_batches, num_workers, cache_dir
         self.train_samples = train_samples
@@ -211,6 +248,7 @@ class TokenDataModule(pl.LightningDataModule):
         if path is not None:  # fail fast (before any process is launched) on a wrong path
             _check_token_file(path, dtype, seq_length)
         self._resolved_path: Optional[str] = None
+        self._packed: Optional[PackedDocumentDataset] = None
 
     def set_data_parallel(self, rank: int, size: int) -> None:
         """Override the data-parallel rank/size (tests, non-Lightning use)."""
@@ -233,22 +271,34 @@ class TokenDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.path is None:  # local rank 0 builds the cache; setup() on other ranks reuses it (or rebuilds atomically)
-            default_corpus_path(self.cache_dir)
+            default_corpus_path(self.cache_dir, self.pack_documents)
 
     def setup(self, stage: Optional[str] = None) -> None:
-        path = self.path if self.path is not None else default_corpus_path(self.cache_dir)
+        path = self.path if self.path is not None else default_corpus_path(self.cache_dir, self.pack_documents)
         _check_token_file(path, self.dtype, self.seq_length)
         self._resolved_path = path
+        self._packed = None
 
     def _loader(self, stream: int, num_batches: int, advance: bool, **extra) -> DataLoader:
         if self._resolved_path is None:
             self.setup()
         rank, size = self.data_parallel()
-        ds = TokenWindowDataset(self._resolved_path, self.dtype, self.seq_length, self.seed, stream)
+        ds = self._dataset(stream)
         sampler = GlobalBatchSampler(ds, self.batch_size, num_batches, rank, size, advance_per_epoch=advance)
         cls = ResumableLoader if extra else DataLoader
         return cls(ds, batch_size=self.batch_size, sampler=sampler, shuffle=False, drop_last=True,
                    num_workers=self.num_workers, persistent_workers=self.num_workers > 0, **extra)
+
+    def _dataset(self, stream: int) -> Dataset:
+        if not self.pack_documents:
+            return TokenWindowDataset(self._resolved_path, self.dtype, self.seq_length, self.seed, stream)
+        if self._packed is None:  # the packing is the same for both streams: computed once
+            self._packed = PackedDocumentDataset(self._resolved_path, self.dtype, self.seq_length, self.seed,
+                                                 self.eod_token_id, stream, self.reset_positions, self.long_documents,
+                                                 self.document_multiple)
+        ds = copy.copy(self._packed)
+        ds.stream, ds._epoch = stream, -1
+        return ds
 
     def _train_batches_in_epoch(self) -> int:
         # checkpoints are written at optimizer-step boundaries: every batch of the finished steps was consumed

@@ -29,6 +29,9 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[tor
 
 
 def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    """Rotate by the tables of shared positions (S, Dh) or of each row's own (B, S, Dh: packed documents)."""
+    if cos_SDh.dim() == 3:
+        cos_SDh, sin_SDh = cos_SDh.unsqueeze(1), sin_SDh.unsqueeze(1)
     x1, x2 = x_BHSDh.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x_BHSDh.float() * cos_SDh + rotated.float() * sin_SDh).to(x_BHSDh.dtype)
@@ -64,18 +67,19 @@ def check_attention_tp(cfg: ModelConfig, tp: int) -> None:
 
 
 class CoreAttention(nn.Module):
-    """Causal attention of rotated q, k and v (under CP with the K/V exchange) as a module: the place that
-    ``Recompute(["core_attn"])`` recomputes and ``ActivationOffload(["core_attn"])`` offloads. No parameters."""
+    """Causal attention of rotated q, k and v (under CP with the K/V exchange; with a document mask for packed
+    sequences) as a module: the place that ``Recompute(["core_attn"])`` recomputes and
+    ``ActivationOffload(["core_attn"])`` offloads. No parameters."""
 
     def __init__(self, ctx: ParallelContext):
         super().__init__()
         self.ctx = ctx
 
     def forward(self, q_BHSE: torch.Tensor, k_BGSE: torch.Tensor, v_BGSF: torch.Tensor,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
         ctx = self.ctx
         return context_parallel_attention(q_BHSE, k_BGSE, v_BGSF, ctx.group("cp"), ctx.rank("cp"), ctx.cp,
-                                          scale=scale)
+                                          scale=scale, mask=mask_B1SS)
 
 
 class Attention(nn.Module):
@@ -98,7 +102,8 @@ class Attention(nn.Module):
         self.rope = RotaryCache(Dh, cfg.rope_theta, cfg.seq_length)
         self.core_attn = CoreAttention(ctx)
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor,
+                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
         x_BSD = enter_tp_region(x_BSD, self.ctx)  # one all-gather (SP) for q, k and v
         B, S, _ = x_BSD.shape
         q_BHSDh = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
@@ -108,7 +113,7 @@ class Attention(nn.Module):
             q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
         cos, sin = self.rope(positions_S, S * self.ctx.cp)
         q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BGSDh, cos, sin)
-        o_BHSDh = self.core_attn(q_BHSDh, k_BGSDh, v_BGSDh)
+        o_BHSDh = self.core_attn(q_BHSDh, k_BGSDh, v_BGSDh, mask_B1SS=mask_B1SS)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 

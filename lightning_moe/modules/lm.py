@@ -93,7 +93,8 @@ class MoELanguageModel(L.LightningModule):
 
     def _lm_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         # the model shards tokens and labels over CP and computes a vocab-parallel cross-entropy under TP
-        return self.model.loss(batch["input_ids"], batch["labels"])
+        return self.model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"),
+                               batch.get("document_ids"))
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         """Returns ``loss`` (LM + auxiliary, what backward runs on), and detached ``lm_loss`` and ``aux_loss``.
@@ -153,6 +154,9 @@ class MoELanguageModel(L.LightningModule):
     def cuda_graph_blocks(self, batch: dict) -> tuple[list, tuple[int, int, int], torch.dtype, torch.Tensor]:
         """For ``MoEFoldStrategy(cuda_graphs=True)``: the blocks in call order, and their input shape, dtype and
         positions for this batch."""
+        if "document_ids" in batch:
+            raise ValueError("MoEFoldStrategy(cuda_graphs=True) captures blocks for shared positions and no mask: "
+                             "packed documents (pack_documents=True) need cuda_graphs=False")
         shape, dtype, positions_S = self.model.block_inputs(batch["input_ids"])
         return list(self.model.layers), shape, dtype, positions_S
 
@@ -168,7 +172,8 @@ class MoELanguageModel(L.LightningModule):
                          x_BSD: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One model chunk on one micro-batch: (hidden states for the next stage, or on the last stage the mean LM
         loss of the micro-batch; the chunk's auxiliary loss)."""
-        out, aux = self.model.forward_chunk(chunk, micro_batch["input_ids"], x_BSD)
+        out, aux = self.model.forward_chunk(chunk, micro_batch["input_ids"], x_BSD, micro_batch.get("position_ids"),
+                                            micro_batch.get("document_ids"))
         if self.training:  # each MoE layer's routing counts, summed over the step's micro-batches (see below)
             for i in self.model.chunk_layers[chunk]:
                 stats = self.model.layers[i].ffn.last_stats if self.model.layers[i].is_moe else None
@@ -177,7 +182,7 @@ class MoELanguageModel(L.LightningModule):
                     now = (stats["tokens_per_expert"], stats["num_dropped"])
                     self._pipeline_load[i] = now if prev is None else (prev[0] + now[0], prev[1] + now[1])
         if self.model.is_last_chunk(chunk):
-            out = self.model.lm_loss(out, micro_batch["labels"])
+            out = self.model.lm_loss(out, micro_batch["labels"], micro_batch.get("document_ids"))
         return out, aux
 
     def pipeline_step_end(self, batch: dict, batch_idx: int, lm_loss: torch.Tensor, aux: torch.Tensor,

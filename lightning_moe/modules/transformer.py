@@ -10,12 +10,15 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_moe.documents import IGNORE
 from lightning_moe.modules.attention import build_attention, check_attention_tp
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.context_parallel import zigzag_positions, zigzag_shard
+from lightning_moe.modules.packed_context_parallel import check_document_lengths, packed_cp_mask, packed_zigzag_index
 from lightning_moe.modules.experts import SwiGLU
 from lightning_moe.modules.init import init_weights
 from lightning_moe.modules.moe_layer import MoELayer
@@ -43,8 +46,10 @@ class Block(nn.Module):
         self.ffn = MoELayer(cfg, ctx, out_std) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size,
                                                                           cfg.init_std, out_std, ctx)
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_S)
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor,
+                mask_B1SS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions_S``: shared positions (S) or each row's (B, S); ``mask_B1SS``: packed documents' mask."""
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_S, mask_B1SS)
         if self.is_moe:
             y_BSD, aux = self.ffn(self.ffn_norm(x_BSD))
         else:
@@ -122,17 +127,34 @@ class MoETransformer(nn.Module):
             S //= self.ctx.tp
         return B, S, self.cfg.hidden_size
 
-    def forward_chunk(self, chunk: int, tokens_BS: torch.Tensor,
-                      x_BSD: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_chunk(self, chunk: int, tokens_BS: torch.Tensor, x_BSD: Optional[torch.Tensor] = None,
+                      position_ids_BS: Optional[torch.Tensor] = None,
+                      document_ids_BS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One model chunk: the embedding on the first stage (``x_BSD`` is then ignored), its blocks, and on the last
-        stage the final norm and head. Returns (hidden states or logits, the chunk's summed auxiliary loss)."""
+        stage the final norm and head. Returns (hidden states or logits, the chunk's summed auxiliary loss).
+        Packed documents (``TokenDataModule(pack_documents=True)``) give each row's positions and document ids:
+        attention then stays within each document, under a mask built once here for all blocks."""
         S, cp, cp_rank = tokens_BS.shape[1], self.ctx.cp, self.ctx.rank("cp")
-        positions_S = zigzag_positions(S, cp, cp_rank, tokens_BS.device)
+        mask_B1SS, local = None, lambda t_BS: zigzag_shard(t_BS, cp, cp_rank)
+        if document_ids_BS is not None and cp > 1:  # every document in 2·cp chunks (packed_context_parallel.py)
+            check_document_lengths(document_ids_BS, cp)
+            mine_Bs, mask_B1SS = packed_cp_mask(document_ids_BS, cp, cp_rank)
+            local = lambda t_BS: t_BS.gather(1, mine_Bs)  # noqa: E731
+            positions = local(position_ids_BS if position_ids_BS is not None else
+                              torch.arange(S, device=tokens_BS.device).expand_as(tokens_BS))
+        elif document_ids_BS is not None:
+            mask_B1SS = document_mask(document_ids_BS)
+            positions = position_ids_BS if position_ids_BS is not None else torch.arange(S, device=tokens_BS.device)
+        else:
+            positions = zigzag_positions(S, cp, cp_rank, tokens_BS.device) if position_ids_BS is None \
+                else local(position_ids_BS)
         if self.is_first_chunk(chunk):
-            x_BSD = self.embed(zigzag_shard(tokens_BS, cp, cp_rank))
+            x_BSD = self.embed(local(tokens_BS))
         aux = x_BSD.new_zeros((), dtype=torch.float32)
         for i in self.chunk_layers[chunk]:
-            x_BSD, layer_aux = self.layers[i](x_BSD, positions_S)
+            # the mask only when there is one: CUDA-graphed blocks take (x, positions)
+            x_BSD, layer_aux = self.layers[i](x_BSD, positions) if mask_B1SS is None else \
+                self.layers[i](x_BSD, positions, mask_B1SS)
             aux = aux + layer_aux
         if not self.is_last_chunk(chunk):
             return x_BSD, aux
@@ -141,24 +163,36 @@ class MoETransformer(nn.Module):
             return self.head(h_BSD), aux
         return F.linear(enter_tp_region(h_BSD, self.ctx), self.embed.weight), aux
 
-    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens_BS: torch.Tensor, position_ids_BS: Optional[torch.Tensor] = None,
+                document_ids_BS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and the summed auxiliary loss of all MoE layers. On one process the logits are (B, S, V); under
         CP they cover this rank's zig-zag positions and under TP this rank's vocabulary shard. Under PP the strategy
         runs the chunks through its pipeline schedule instead."""
         if self.ctx.pp > 1:
             raise RuntimeError("MoETransformer.forward runs the whole model; under pipeline parallelism each rank "
                                "holds only some stages and MoEFoldStrategy runs them with forward_chunk")
-        return self.forward_chunk(0, tokens_BS)
+        return self.forward_chunk(0, tokens_BS, None, position_ids_BS, document_ids_BS)
 
-    def lm_loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over this rank's tokens (fp32, vocab-parallel)."""
-        labels_BS = zigzag_shard(labels_BS, self.ctx.cp, self.ctx.rank("cp"))
-        return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
+    def lm_loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                document_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over this rank's tokens (fp32, vocab-parallel). Packed documents under CP: the
+        mean over the targets of all CP ranks (their counts differ), scaled by cp as the CP ranks' losses and
+        gradients are averaged."""
+        cp, rank = self.ctx.cp, self.ctx.rank("cp")
+        if document_ids_BS is None or cp == 1:
+            labels_BS = zigzag_shard(labels_BS, cp, rank)
+            return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
+        labels_Bs = labels_BS.gather(1, packed_zigzag_index(document_ids_BS, cp, rank))
+        total = vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_Bs.flatten(), self.ctx, reduction="sum")
+        count = (labels_Bs != IGNORE).sum().to(total.dtype)
+        dist.all_reduce(count, group=self.ctx.group("cp"))  # a count: no gradient to carry
+        return total * cp / count
 
-    def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LM loss of this rank's tokens and the auxiliary loss."""
-        logits_BSV, aux = self(tokens_BS)
-        return self.lm_loss(logits_BSV, labels_BS), aux
+    def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, position_ids_BS: Optional[torch.Tensor] = None,
+             document_ids_BS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LM loss of this rank's tokens (targets of -100 count for nothing) and the auxiliary loss."""
+        logits_BSV, aux = self(tokens_BS, position_ids_BS, document_ids_BS)
+        return self.lm_loss(logits_BSV, labels_BS, document_ids_BS), aux
 
     def block_inputs(self, tokens_BS: torch.Tensor) -> tuple[tuple[int, int, int], torch.dtype, torch.Tensor]:
         """What every block receives for these tokens: the residual stream's (B, S, D) and dtype, and the
@@ -171,6 +205,14 @@ class MoETransformer(nn.Module):
 
     def moe_layers(self) -> list[MoELayer]:
         return [blk.ffn for blk in self.layers if blk.is_moe]
+
+
+def document_mask(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S), True where query i may attend to key j: j <= i within the same document."""
+    S = document_ids_BS.shape[1]
+    causal_SS = torch.ones(S, S, dtype=torch.bool, device=document_ids_BS.device).tril()
+    same_BSS = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
+    return (same_BSS & causal_SS).unsqueeze(1)
 
 
 def check_model_layout(cfg: ModelConfig, ctx_or_layout, pipeline_first_layers: Optional[int] = None,

@@ -53,6 +53,7 @@ class Case:
     lr: float = 1e-2
     adam_eps: float = 1e-8
     callbacks: tuple = ()  # callback factories (e.g. functools.partial(FP8Training, "rowwise")), on both sides
+    data: dict = field(default_factory=dict)  # extra TokenDataModule arguments (PACKED: packed documents)
 
     @property
     def dp(self) -> int:
@@ -61,6 +62,15 @@ class Case:
     @property
     def dropping(self) -> bool:
         return self.model.get("capacity_factor") is not None
+
+
+def _base() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, size=64)
+
+
+# packed documents over the same stream: one token of the phrase ends a document (once every 64 tokens, so rows of
+# SEQ + 1 hold pieces of split documents and whole ones, with boundaries inside them)
+PACKED = dict(pack_documents=True, eod_token_id=int(_base()[5]))
 
 
 def make_tokens(path: str) -> str:
@@ -141,7 +151,7 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
                         precision=case.precision, num_sanity_val_steps=0,
                         limit_val_batches=0)
     model = MoELanguageModel(**model_kwargs(case))
-    trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=SEQ, batch_size=bs, seed=3))
+    trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=SEQ, batch_size=bs, seed=3, **case.data))
     losses = torch.tensor(rec.losses, dtype=torch.float64, device=trainer.strategy.root_device)
     if parallel:
         dist.all_reduce(losses)  # the objective is the mean over dp x cp ranks (TP ranks hold the same value)

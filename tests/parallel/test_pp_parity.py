@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.parity import TOL, Case, check_case, run_cases, runnable
+from tests.parallel.parity import PACKED, TOL, Case, check_case, run_cases, runnable
 
 FOUR = dict(num_layers=4)
 CASES = [
     Case("pp2_1f1b_m4", 2, pp=2, m=4, model=FOUR),
+    Case("pp2_packed_documents_m2", 2, pp=2, m=2, model=FOUR, data=PACKED),
     Case("pp2_interleaved_v2_m4", 2, pp=2, m=4, model=FOUR, strategy=dict(virtual_pipeline_size=2)),
     Case("pp2_afab_m2_accumulate2", 2, pp=2, m=2, accumulate=2, model=FOUR, strategy=dict(pipeline_schedule="afab")),
     # uneven split (1 + 2 layers), tied embeddings (the last stage's copy and the first stage's embedding get the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.parity import TOL, Case, check_case, run_cases, runnable
+from tests.parallel.parity import PACKED, TOL, Case, check_case, run_cases, runnable
 
 # dp > 1 needs the global-batch aux loss to equal the reference's (each DP rank's own aux loss is a different loss)
 GLOBAL = dict(load_balancing="global_aux_loss")
@@ -26,7 +26,9 @@ CASES = [
     # 2 ranks; the first five share one model, so their loss curves must agree with each other too
     Case("tp2", 2, tp=2, sp=False),
     Case("tp2_sp", 2, tp=2, sp=True),
+    Case("tp2_sp_packed_documents", 2, tp=2, sp=True, data=PACKED),
     Case("cp2", 2, cp=2),
+    Case("cp2_packed_documents", 2, cp=2, data=dict(PACKED, document_multiple=4)),
     Case("tp2_ep2_alltoall", 2, tp=2, ep=2),
     Case("tp2_ep2_allgather_nosp", 2, tp=2, ep=2, sp=False, model=dict(dispatcher="allgather")),
     # capacity is per rank (as in Megatron), so which copies drop depends on the layout: a factor of E/K = 4 keeps
@@ -43,6 +45,7 @@ CASES = [
     Case("tp2_cp2_ep2_etp2", 4, tp=2, cp=2, ep=2, etp=2, model=dict(qk_norm=True)),
     Case("tp2_cp2_ep2_etp2_allgather", 4, tp=2, cp=2, ep=2, etp=2, model=dict(dispatcher="allgather")),
     Case("cp2_dp2_ep4", 4, cp=2, ep=4, model=GLOBAL),
+    Case("cp4_packed_documents_mla", 4, cp=4, model=MLA, data=dict(PACKED, document_multiple=8)),
 ]
 for _c in CASES:
     _c.adam_eps = 1e-6
