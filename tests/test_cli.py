@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -82,6 +83,20 @@ def console_runs():
         stdout, stderr = p.communicate(timeout=180)
         out[k] = (p.returncode, stdout, stderr)
     return out
+
+
+def test_cli_fit_packed_documents(tmp_path):
+    """``--data.pack_documents true``: the default corpus as one document per source file, packed rows with the
+    document mask; training runs and the corpus of documents is built."""
+    cache = tmp_path / "cache"
+    args = ["fit", "--config", TINY, "--trainer.devices", "1", "--trainer.strategy", "auto",
+            "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.enable_checkpointing", "false", "--data.batch_size", "2", "--data.cache_dir", str(cache),
+            "--data.pack_documents", "true", "--trainer.default_root_dir", str(tmp_path)]
+    assert cli.main(args=args) is None
+    docs = np.fromfile(cache / "stdlib_documents_v1.bin", dtype=np.uint16)
+    assert (docs == 0).sum() > 100  # one end-of-document token per source file
 
 
 def test_cli_help_subprocess(console_runs):
