@@ -1,6 +1,7 @@
 """lightning-moe: Mixture-of-Experts training for PyTorch Lightning with Megatron-style parallel folding."""
 
 from lightning_moe.callbacks.activation_offload import ActivationOffload
+from lightning_moe.callbacks.dynamic_cp import DynamicContextParallel
 from lightning_moe.callbacks.expert_load import ExpertLoadMonitor
 from lightning_moe.callbacks.fp8_training import FP8Training
 from lightning_moe.callbacks.nvfp4_training import NVFP4Training
@@ -14,11 +15,13 @@ from lightning_moe.modules.dispatcher import DispatchState, TokenDispatcher
 from lightning_moe.modules.lm import MoELanguageModel
 from lightning_moe.modules.transformer import MoETransformer
 from lightning_moe.strategy import Layout, MoEFoldStrategy, ParallelContext, build_layout
+from lightning_moe.tokenize_documents import tokenize_documents
 
 __all__ = [
-    "ActivationOffload", "build_layout", "DispatchState", "ExpertLoadMonitor", "FP8Training", "Layout", "LossReport",
+    "ActivationOffload", "build_layout", "DispatchState", "DynamicContextParallel", "ExpertLoadMonitor",
+    "FP8Training", "Layout", "LossReport",
     "ModelConfig", "MoEFoldStrategy", "MoELanguageModel", "MoEThroughput", "MoETransformer", "NVFP4Training",
     "ParallelContext",
-    "peak_flops", "Recompute", "TokenDataModule", "TokenDispatcher", "training_flops_per_token"
+    "peak_flops", "Recompute", "TokenDataModule", "TokenDispatcher", "tokenize_documents", "training_flops_per_token"
 ]
 __version__ = "0.1.0"

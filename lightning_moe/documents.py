@@ -52,8 +52,9 @@ def pack_rows(starts: np.ndarray, lengths: np.ndarray, row_len: int, seed: int, 
     too_long = np.flatnonzero(lengths > row_len)
     if too_long.size and long_documents == "refuse":
         i = int(too_long[0])
-        raise ValueError(f"long_documents='refuse': document {i} of {path!r} (tokens {starts[i]}..{starts[i] + lengths[i]}"
-                         f") has {lengths[i]} tokens, more than seq_length = {row_len}; raise seq_length, or set "
+        raise ValueError(f"long_documents='refuse': document {i} of {path!r} (tokens {starts[i]}.."
+                         f"{starts[i] + lengths[i]}) has {lengths[i]} tokens, more than seq_length = {row_len}; raise "
+                         "seq_length, or set "
                          f"long_documents='split' ({too_long.size} such documents)")
     seg_start, seg_len, seg_padded, row_ptr, fill = [], [], [], [0], 0
     for d in np.random.default_rng([seed, 7]).permutation(lengths.size):

@@ -30,7 +30,8 @@ def read_texts(source: Union[str, Iterable[str]], text_key: str = "text") -> Ite
         try:
             import datasets
         except ImportError as e:
-            raise ImportError(f"source {source!r} is a saved Hugging Face dataset: install `datasets` to read it") from e
+            raise ImportError(f"source {source!r} is a saved Hugging Face dataset: install `datasets` to read "
+                              "it") from e
         for row in datasets.load_from_disk(source):
             yield row[text_key]
     elif os.path.isdir(source):

@@ -178,9 +178,9 @@ def test_trace_gaps_name_the_launching_code(monkeypatch):
 
 def test_fp8_convergence_smoke():
     """The convergence comparison runs each precision on the same data and reports its final loss against bf16."""
-    res = _run("fp8_convergence.py", "--runs", "bf16,fp8-rowwise,nvfp4")
+    res = _run("fp8_convergence.py", "--runs", "bf16,fp8-rowwise")
     runs = res["runs"]
-    assert list(runs) == ["bf16", "fp8-rowwise", "nvfp4"] and runs["bf16"]["vs_bf16"] == 0
+    assert list(runs) == ["bf16", "fp8-rowwise"] and runs["bf16"]["vs_bf16"] == 0
     for r in runs.values():
         assert len(r["losses"]) == 4 and all(_positive(v) for v in r["losses"])
         assert r["vs_bf16"] == pytest.approx(r["final_loss"] / runs["bf16"]["final_loss"] - 1)

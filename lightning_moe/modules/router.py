@@ -249,7 +249,9 @@ class TopKRouter(nn.Module):
         if cfg.load_balancing == "aux_loss":
             tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_cp")
             total = T * ctx.size("tp_cp")
-            return switch_load_balancing_loss(scores_TE, tpe_E, total, K, E, coeff) * ctx.size("cp")
+            # the CP ranks sharing the micro-batch (tp_cp / tp): DynamicContextParallel may give "cp" fewer ranks
+            cp_batch = ctx.size("tp_cp") // ctx.size("tp")
+            return switch_load_balancing_loss(scores_TE, tpe_E, total, K, E, coeff) * cp_batch
         if cfg.load_balancing == "seq_aux_loss":
             if num_sequences <= 0 or T % num_sequences:
                 raise ValueError(f"TopKRouter: seq_aux_loss needs num_sequences ({num_sequences}) to divide the "

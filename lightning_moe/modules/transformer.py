@@ -175,18 +175,22 @@ class MoETransformer(nn.Module):
 
     def lm_loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
                 document_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Mean next-token cross-entropy over this rank's tokens (fp32, vocab-parallel). Packed documents under CP: the
-        mean over the targets of all CP ranks (their counts differ), scaled by cp as the CP ranks' losses and
-        gradients are averaged."""
+        """Mean next-token cross-entropy over this rank's tokens (fp32, vocab-parallel). Packed documents: the mean over
+        the targets of the global batch (their counts differ by rank), scaled by dp x cp as the ranks' losses and
+        gradients are averaged, so that every layout gives one process's number."""
         cp, rank = self.ctx.cp, self.ctx.rank("cp")
-        if document_ids_BS is None or cp == 1:
+        if document_ids_BS is None:
             labels_BS = zigzag_shard(labels_BS, cp, rank)
             return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
-        labels_Bs = labels_BS.gather(1, packed_zigzag_index(document_ids_BS, cp, rank))
-        total = vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_Bs.flatten(), self.ctx, reduction="sum")
-        count = (labels_Bs != IGNORE).sum().to(total.dtype)
-        dist.all_reduce(count, group=self.ctx.group("cp"))  # a count: no gradient to carry
-        return total * cp / count
+        if cp > 1:
+            labels_BS = labels_BS.gather(1, packed_zigzag_index(document_ids_BS, cp, rank))
+        ranks = self.ctx.size("dp_cp")
+        if ranks == 1:
+            return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
+        total = vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx, reduction="sum")
+        count = (labels_BS != IGNORE).sum().to(total.dtype)
+        dist.all_reduce(count, group=self.ctx.group("dp_cp"))  # a count: no gradient to carry
+        return total * ranks / count
 
     def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, position_ids_BS: Optional[torch.Tensor] = None,
              document_ids_BS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,6 +93,14 @@ class ParallelContext:
     def vpp(self) -> int:
         return self.virtual_pipeline_size or 1
 
+    def swap(self, **entries: tuple[int, int, Optional[dist.ProcessGroup]]) -> dict:
+        """Replace the (size, rank, group) of named groups, e.g. ``cp`` for one micro-batch
+        (``DynamicContextParallel``); returns the entries it replaced, to swap back."""
+        old = {n: (self.sizes[n], self.ranks[n], self.groups[n]) for n in entries}
+        for n, (size, rank, group) in entries.items():
+            self.sizes[n], self.ranks[n], self.groups[n] = size, rank, group
+        return old
+
     def all_reduce_(self, t: torch.Tensor, name: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce over a named group; a no-op for a group of size 1. Not differentiable."""
         if self.sizes[name] > 1:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.parity import BF16_TOL, TOL, Case, check_case, run_cases, runnable
+from tests.parallel.parity import BF16_TOL, PACKED, TOL, Case, check_case, run_cases, runnable
 
 GLOBAL = dict(score_function="sigmoid", expert_bias=True, bias_update_rate=1e-2, load_balancing="global_aux_loss")
 CAP = dict(capacity_factor=1.0, drop_policy="probs")
 
 CASES = [
     Case("ep2_alltoall_dropless", 2, ep=2, model=dict(dispatcher="alltoall", load_balancing="global_aux_loss")),
+    # packed documents over DP2: each rank's targets differ in number, the loss is normalised over the global batch
+    Case("ep2_packed_documents", 2, ep=2, model=dict(load_balancing="global_aux_loss"), data=PACKED),
     Case("ep2_allgather_dropless", 2, ep=2, model=dict(dispatcher="allgather", load_balancing="global_aux_loss")),
     Case("ep2_alltoall_capacity", 2, ep=2, model=dict(dispatcher="alltoall", **CAP)),
     Case("ep2_allgather_capacity", 2, ep=2, model=dict(dispatcher="allgather", **CAP)),

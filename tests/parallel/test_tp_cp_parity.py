@@ -8,8 +8,12 @@ with clipping at 0.5 (so the global norm, with TP shards summed over TP, matters
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+
+from lightning_moe import DynamicContextParallel
 
 from tests.parallel.parity import PACKED, TOL, Case, check_case, run_cases, runnable
 
@@ -29,6 +33,10 @@ CASES = [
     Case("tp2_sp_packed_documents", 2, tp=2, sp=True, data=PACKED),
     Case("cp2", 2, cp=2),
     Case("cp2_packed_documents", 2, cp=2, data=dict(PACKED, document_multiple=4)),
+    # DynamicContextParallel as it chooses (whole rows per rank on these short documents; the aux loss stays over
+    # the micro-batch)
+    Case("cp2_dynamic", 2, cp=2, model=dict(load_balancing="aux_loss"), data=dict(PACKED, document_multiple=4),
+         callbacks=(DynamicContextParallel,)),
     Case("tp2_ep2_alltoall", 2, tp=2, ep=2),
     Case("tp2_ep2_allgather_nosp", 2, tp=2, ep=2, sp=False, model=dict(dispatcher="allgather")),
     # capacity is per rank (as in Megatron), so which copies drop depends on the layout: a factor of E/K = 4 keeps
@@ -46,6 +54,9 @@ CASES = [
     Case("tp2_cp2_ep2_etp2_allgather", 4, tp=2, cp=2, ep=2, etp=2, model=dict(dispatcher="allgather")),
     Case("cp2_dp2_ep4", 4, cp=2, ep=4, model=GLOBAL),
     Case("cp4_packed_documents_mla", 4, cp=4, model=MLA, data=dict(PACKED, document_multiple=8)),
+    Case("cp4_dynamic_cp2_mla", 4, cp=4, model=dict(MLA, load_balancing="aux_loss"),
+         data=dict(PACKED, document_multiple=8),
+         callbacks=(partial(DynamicContextParallel, sizes=[2]),)),  # sub-groups of 2 ranks
 ]
 for _c in CASES:
     _c.adam_eps = 1e-6
