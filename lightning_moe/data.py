@@ -276,8 +276,9 @@ class TokenDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         path = self.path if self.path is not None else default_corpus_path(self.cache_dir, self.pack_documents)
         _check_token_file(path, self.dtype, self.seq_length)
+        if path != self._resolved_path:  # the packing is kept across stages (fit, then validate)
+            self._packed = None
         self._resolved_path = path
-        self._packed = None
 
     def _loader(self, stream: int, num_batches: int, advance: bool, **extra) -> DataLoader:
         if self._resolved_path is None:

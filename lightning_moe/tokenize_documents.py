@@ -30,8 +30,8 @@ def read_texts(source: Union[str, Iterable[str]], text_key: str = "text") -> Ite
         try:
             import datasets
         except ImportError as e:
-            raise ImportError(f"source {source!r} is a saved Hugging Face dataset: install `datasets` to read "
-                              "it") from e
+            raise ImportError(f"source {source!r} is a saved Hugging Face dataset: install `datasets` to "
+                              "read it") from e
         for row in datasets.load_from_disk(source):
             yield row[text_key]
     elif os.path.isdir(source):
@@ -62,15 +62,21 @@ def load_tokenizer(tokenizer):
 
 
 def _ids(tokenizer, text: str) -> list[int]:
-    out = tokenizer.encode(text)
+    # no special tokens: a post-processor's [SEP] or </s> would end every document twice
+    out = tokenizer.encode(text, add_special_tokens=False)
     return list(out.ids) if hasattr(out, "ids") else list(out)
 
 
 def _eod(tokenizer) -> Optional[int]:
+    """The tokenizer's end-of-text token: its declared EOS (transformers), else the first of ``EOD_NAMES`` it knows
+    (an unknown name must not come back as the unknown token's id)."""
+    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        return tokenizer.eos_token_id
     find = getattr(tokenizer, "token_to_id", None) or getattr(tokenizer, "convert_tokens_to_ids", None)
+    unk = getattr(tokenizer, "unk_token_id", None)
     for name in EOD_NAMES if find else ():
         i = find(name)
-        if isinstance(i, int) and i >= 0:
+        if isinstance(i, int) and i >= 0 and i != unk:
             return i
     return None
 

@@ -10,4 +10,5 @@ from lightning_moe.callbacks.loss_report import LossReport
 from lightning_moe.callbacks.recompute import Recompute
 from lightning_moe.callbacks.throughput import MoEThroughput
 
-__all__ = ["ActivationOffload", "DynamicContextParallel", "ExpertLoadMonitor", "FP8Training", "LossReport", "MoEThroughput", "NVFP4Training", "Recompute"]
+__all__ = ["ActivationOffload", "DynamicContextParallel", "ExpertLoadMonitor", "FP8Training", "LossReport",
+           "MoEThroughput", "NVFP4Training", "Recompute"]

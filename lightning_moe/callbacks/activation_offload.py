@@ -10,7 +10,6 @@ Only stream events order the copies: the host never waits for the GPU.
 from __future__ import annotations
 
 import weakref
-
 from typing import Optional, Sequence, Union
 
 import lightning as L

@@ -65,9 +65,12 @@ class DynamicContextParallel(L.Callback):
         self.sizes, self.slack = (list(sizes) if sizes is not None else None), slack
         self._groups: dict[int, tuple[int, int, Optional[dist.ProcessGroup]]] = {}
         self._restore: Optional[dict] = None
-        self.choices: list[int] = []
+        self._sizes: Optional[list[int]] = None
+        self.choices: dict[int, int] = {}  # CP size -> micro-batches it was chosen for
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if self._sizes is not None:  # fit, then validate or test: the sub-groups exist already
+            return
         ctx = getattr(pl_module, "parallel_context", None)
         c = ctx.cp if ctx is not None else 1
         if c == 1:  # the same callback moves across layouts: on one CP rank there is nothing to choose
@@ -116,7 +119,7 @@ class DynamicContextParallel(L.Callback):
         lengths = [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in doc_BS]
         cfg = pl_module.model.cfg
         size = choose_cp(lengths, c, self._sizes, lambda n: n * training_flops_per_token(cfg, n), self.slack)
-        self.choices.append(size)
+        self.choices[size] = self.choices.get(size, 0) + 1
         pl_module.log("dynamic_cp/size", float(size), on_step=True, logger=True, batch_size=B)
         if size == c:
             return

@@ -216,8 +216,10 @@ def context_parallel_attention(q_BHsE, k_BGsE, v_BGsF, group, cp_rank: int, cp_s
         if group is not None and cp_size > 1:
             kv_sBGD = torch.cat([k_BGsE, v_BGsF], -1).movedim(2, 0)
             k_BGsE, v_BGsF = comm.all_gather(kv_sBGD, group).movedim(0, 2).split([E, v_BGsF.shape[-1]], -1)
+        if G != H and q_BHsE.is_cuda:  # CUDA's masked (memory-efficient) kernel takes no GQA: K/V to every head
+            k_BGsE, v_BGsF = k_BGsE.repeat_interleave(H // G, 1), v_BGsF.repeat_interleave(H // G, 1)
         return F.scaled_dot_product_attention(q_BHsE, k_BGsE, v_BGsF, attn_mask=mask, scale=scale,
-                                              enable_gqa=G != H)
+                                              enable_gqa=k_BGsE.shape[1] != H)
     if group is None or cp_size == 1:
         return F.scaled_dot_product_attention(q_BHsE, k_BGsE, v_BGsF, is_causal=True, scale=scale,
                                               enable_gqa=G != H)

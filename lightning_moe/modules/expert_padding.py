@@ -15,17 +15,18 @@ def padded_layout(offs_L: torch.Tensor, M: int, align: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """For M rows grouped by the cumulative ends ``offs_L``: each row's place in the padded layout, the padded
     cumulative ends, each row's group, and the padded length P (a static bound: ceil(M / align) * align + align * L).
-    Rows past ``offs_L[-1]`` land past the padded end, where no group reads them."""
+    Rows past ``offs_L[-1]`` (dropped or foreign rows, undefined values) land past the last padded end, where no
+    group reads them."""
     L = offs_L.numel()
-    offs = offs_L.to(torch.int64)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded = (counts + align - 1) // align * align
-    pstarts = torch.cumsum(padded, 0) - padded
-    starts = offs - counts
-    rows = torch.arange(M, device=offs.device)
-    gid = torch.bucketize(rows, offs, right=True).clamp_(max=L - 1)
-    dest = pstarts[gid] + rows - starts[gid]
-    return dest, torch.cumsum(padded, 0), gid, -(-M // align) * align + align * L
+    offs_L = offs_L.to(torch.int64)
+    counts_L = torch.diff(offs_L, prepend=offs_L.new_zeros(1))
+    padded_L = (counts_L + align - 1) // align * align
+    pends_L = torch.cumsum(padded_L, 0)
+    rows_M = torch.arange(M, device=offs_L.device)
+    gid_M = torch.bucketize(rows_M, offs_L, right=True).clamp_(max=L - 1)
+    dest_M = (pends_L - padded_L)[gid_M] + rows_M - (offs_L - counts_L)[gid_M]
+    dest_M = torch.where(rows_M < offs_L[-1], dest_M, pends_L[-1] + rows_M - offs_L[-1])
+    return dest_M, pends_L, gid_M, -(-M // align) * align + align * L
 
 
 def scatter_rows(x_MK: torch.Tensor, dest_M: torch.Tensor, P: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ SCALE_BYTES = 4  # one fp32 scale per row
 
 
 def pack(x_ND: torch.Tensor) -> torch.Tensor:
-    """Each row in E4M3 (``scale = 448 / amax``, saturated) followed by the bytes of its fp32 scale: (N, D + 4) uint8."""
+    """Each row in E4M3 (``scale = 448 / amax``, saturated), then the bytes of its fp32 scale: (N, D + 4) uint8."""
     dtype, fmax = FORMATS["e4m3"]
     scale_N1 = fmax / abs_amax(x_ND.detach(), 1).clamp_min(1e-12)  # an all-zero row (padding) stays zero
     q_ND = saturate(x_ND.detach(), scale_N1, fmax, dtype)

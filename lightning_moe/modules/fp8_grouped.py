@@ -134,18 +134,17 @@ def on_kernel(t: torch.Tensor) -> torch.Tensor:
     """An emulated operand for the grouped GEMM: bf16 on CUDA, where torch's fp32 grouped GEMM is a slow,
     host-synchronising fallback and the bf16 one accumulates in fp32 (FP8 and FP4 values are exact in bf16; their
     dequantization scales add one bf16 rounding); unchanged elsewhere."""
-    return t.to(torch.bfloat16) if t.is_cuda else t
+    return t.to(torch.bfloat16) if t.is_cuda and t.dtype == torch.float32 else t
 
 
 def _wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor) -> torch.Tensor:
     """``dW_g = x_g^T dy_g`` for every expert: torch's grouped GEMM over the token dimension, or (float64, unaligned)
     a scatter-add of outer products."""
     L = offs_L.numel()
-    x_MK, dy_MN = on_kernel(x_MK), on_kernel(dy_MN)
     size = x_MK.element_size()
     if x_MK.dtype in (torch.float32, torch.bfloat16) and (x_MK.shape[1] * size) % 16 == 0 \
             and (dy_MN.shape[1] * size) % 16 == 0:
-        return F.grouped_mm(x_MK.t(), dy_MN, offs=offs_L.to(torch.int32))
+        return F.grouped_mm(on_kernel(x_MK).t(), on_kernel(dy_MN), offs=offs_L.to(torch.int32))
     out = torch.zeros(L, x_MK.shape[1], dy_MN.shape[1], dtype=x_MK.dtype, device=x_MK.device)
     valid = torch.arange(x_MK.shape[0], device=x_MK.device) < offs_L[-1]
     return out.index_add_(0, gid_M[valid], x_MK[valid].unsqueeze(2) * dy_MN[valid].unsqueeze(1))
@@ -164,6 +163,8 @@ def emulated_dgrad(dy_MN, w_LKN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
 def emulated_wgrad(x_MK, dy_MN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
     """``dW_g = x_g^T dy_g``, reduced over the expert's tokens."""
     fwd, bwd = spec.formats()
+    valid_M1 = (torch.arange(x_MK.shape[0], device=x_MK.device) < offs_L[-1]).unsqueeze(1)
+    x_MK, dy_MN = torch.where(valid_M1, x_MK, 0), torch.where(valid_M1, dy_MN, 0)  # tail rows: undefined values
     col, row = spec.split == "out", spec.split == "in"
     xq = _tokens_per_expert(x_MK, offs_L, gid_M, tiling(spec.recipe, "input"), fwd, spec, "x_t", row)
     dyq = _tokens_per_expert(dy_MN, offs_L, gid_M, tiling(spec.recipe, "grad"), bwd, spec, "dy_t", col)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.modules.fp8_grouped import _wgrad, on_kernel
+from lightning_moe.modules.fp8_grouped import _segment_amax, _wgrad, expert_of_rows, on_kernel
 from lightning_moe.modules.expert_padding import padded_layout
 from lightning_moe.modules.nvfp4 import BLOCK, apply_along_rows, fake_quantize, random_hadamard
 
@@ -78,26 +78,24 @@ def _expert_weights(w_LKN: torch.Tensor) -> torch.Tensor:
     return q.reshape(L, N, K).transpose(1, 2)
 
 
-def _expert_rows(x_MK: torch.Tensor, gid_M: torch.Tensor, L: int, stochastic: bool) -> torch.Tensor:
-    """Rows along K in 1 x 16 blocks, with one tensor scale per expert."""
-    amax_L = torch.zeros(L, device=x_MK.device, dtype=torch.float32).scatter_reduce(0, gid_M, x_MK.detach().abs().amax(1).float(),
-                                                               "amax", include_self=True)
+def _expert_rows(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor, stochastic: bool) -> torch.Tensor:
+    """Rows along K in 1 x 16 blocks, with one tensor scale per expert (over its rows only: tail rows hold anything)."""
+    amax_L = _segment_amax(x_MK.detach().abs().amax(1), offs_L)
     ts_L = (448.0 * 6.0) / amax_L.clamp_min(1e-12)
     return fake_quantize(x_MK.float(), stochastic=stochastic, ts=ts_L[gid_M].unsqueeze(1))
 
 
 def _expert_wgrad(x_MK, dy_MN, offs_L, spec: NVFP4Spec) -> torch.Tensor:
-    M, L = x_MK.shape[0], offs_L.numel()
+    M = x_MK.shape[0]
     dest, poffs, gid, P = padded_layout(offs_L, M, BLOCK)
-    valid = torch.arange(M, device=x_MK.device) < offs_L[-1].to(torch.int64)
-    dest = torch.where(valid, dest, P - 1)  # tail rows (zeros) land in the spare last row, outside every expert
+    valid_M1 = (torch.arange(M, device=x_MK.device) < offs_L[-1].to(torch.int64)).unsqueeze(1)
+    x_MK, dy_MN = torch.where(valid_M1, x_MK, 0), torch.where(valid_M1, dy_MN, 0)  # tail rows: undefined values
     xp = torch.zeros(P, x_MK.shape[1], device=x_MK.device, dtype=torch.float32).index_copy_(0, dest, x_MK.float())
     dyp = torch.zeros(P, dy_MN.shape[1], device=x_MK.device, dtype=torch.float32).index_copy_(0, dest, dy_MN.float())
-    pgid = torch.bucketize(torch.arange(P, device=x_MK.device), poffs, right=True).clamp_(max=L - 1)
+    pgid = expert_of_rows(P, poffs, x_MK.device)
 
     def per_expert_ts(a_PX):
-        amax_L = torch.zeros(L, device=a_PX.device, dtype=torch.float32).scatter_reduce(0, pgid, a_PX.abs().amax(1), "amax",
-                                                                   include_self=True)
+        amax_L = _segment_amax(a_PX.abs().amax(1), poffs)
         return ((448.0 * 6.0) / amax_L.clamp_min(1e-12))[pgid].unsqueeze(0)  # per token: a column of the K x P
 
     if spec.hadamard is not None:  # within 16-row chunks, which never span two experts
@@ -117,20 +115,18 @@ class _NVFP4GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_LKN, offs_L, spec: NVFP4Spec):
         from lightning_moe.modules.experts import grouped_mm
-        L, M = w_LKN.shape[0], x_MK.shape[0]
-        gid = torch.bucketize(torch.arange(M, device=x_MK.device), offs_L.to(torch.int64), right=True).clamp_(
-            max=L - 1)
+        gid = expert_of_rows(x_MK.shape[0], offs_L, x_MK.device)
         wq = _expert_weights(w_LKN)
         ctx.save_for_backward(x_MK, wq, offs_L, gid)
         ctx.spec, ctx.w_dtype = spec, w_LKN.dtype
-        return grouped_mm(on_kernel(_expert_rows(x_MK, gid, L, False)), on_kernel(wq), offs_L).to(x_MK.dtype)
+        return grouped_mm(on_kernel(_expert_rows(x_MK, offs_L, gid, False)), on_kernel(wq), offs_L).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
         from lightning_moe.modules.experts import grouped_mm
         x_MK, wq, offs_L, gid = ctx.saved_tensors
-        spec, L = ctx.spec, wq.shape[0]
-        dx = grouped_mm(on_kernel(_expert_rows(dy_MN, gid, L, spec.stochastic)),
+        spec = ctx.spec
+        dx = grouped_mm(on_kernel(_expert_rows(dy_MN, offs_L, gid, spec.stochastic)),
                         on_kernel(wq.transpose(1, 2).contiguous()), offs_L)
         dw = _expert_wgrad(x_MK, dy_MN, offs_L, spec)
         return dx.to(x_MK.dtype), dw.to(ctx.w_dtype), None, None

@@ -40,22 +40,27 @@ def check_document_lengths(document_ids_BS: torch.Tensor, cp: int) -> None:
         raise ValueError(msg)
 
 
-def packed_zigzag_index(document_ids_BS: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """(B, S / cp): the row positions of ``rank``'s tokens, in row order (chunk r, then chunk 2·cp-1-r, of each
-    document in turn)."""
-    B, S = document_ids_BS.shape
+def packed_order(document_ids_BS: torch.Tensor, cp: int) -> torch.Tensor:
+    """(B, S): the row positions of every rank's tokens, rank-major (the order of the K/V all-gather); rank r's are
+    ``[:, r·s:(r+1)·s]``, in row order (chunk r, then chunk 2·cp-1-r, of each document in turn)."""
     o_BS, n_BS = _document_extent(document_ids_BS)
     chunk_BS = o_BS // torch.clamp(n_BS // (2 * cp), min=1)
-    mine_BS = (chunk_BS == rank) | (chunk_BS == 2 * cp - 1 - rank)
-    # mine first, each group in row order (a stable sort); exactly S / cp are mine when the lengths divide
-    return torch.argsort((~mine_BS).to(torch.int8), dim=1, stable=True)[:, :S // cp]
+    owner_BS = torch.minimum(chunk_BS, 2 * cp - 1 - chunk_BS)
+    return torch.argsort(owner_BS, dim=1, stable=True)  # a stable sort keeps each rank's tokens in row order
+
+
+def packed_zigzag_index(document_ids_BS: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """(B, S / cp): the row positions of ``rank``'s tokens, in row order."""
+    s = document_ids_BS.shape[1] // cp
+    return packed_order(document_ids_BS, cp)[:, rank * s:(rank + 1) * s]
 
 
 def packed_cp_mask(document_ids_BS: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's row positions (B, s); the mask (B, 1, s, S) of its queries over every rank's keys in rank-major
     order, True where a query may attend: same document, key at or before the query)."""
-    idx = [packed_zigzag_index(document_ids_BS, cp, r) for r in range(cp)]
-    mine_Bs, keys_BS = idx[rank], torch.cat(idx, dim=1)
-    doc_q, doc_k = document_ids_BS.gather(1, mine_Bs), document_ids_BS.gather(1, keys_BS)
-    mask_BsS = (doc_q.unsqueeze(2) == doc_k.unsqueeze(1)) & (keys_BS.unsqueeze(1) <= mine_Bs.unsqueeze(2))
+    s = document_ids_BS.shape[1] // cp
+    keys_BS = packed_order(document_ids_BS, cp)
+    mine_Bs = keys_BS[:, rank * s:(rank + 1) * s]
+    doc_q_Bs, doc_k_BS = document_ids_BS.gather(1, mine_Bs), document_ids_BS.gather(1, keys_BS)
+    mask_BsS = (doc_q_Bs.unsqueeze(2) == doc_k_BS.unsqueeze(1)) & (keys_BS.unsqueeze(1) <= mine_Bs.unsqueeze(2))
     return mine_Bs, mask_BsS.unsqueeze(1)

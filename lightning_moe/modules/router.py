@@ -262,7 +262,7 @@ class TopKRouter(nn.Module):
             scores_SX = scores_TE.view(B, S, E).transpose(0, 1).reshape(S, B * E)
             total = S * ctx.size("tp_cp")
             loss = switch_load_balancing_loss(scores_SX, tpe_BE.reshape(B * E), total, K, E, coeff) / B
-            return loss * ctx.size("cp")
+            return loss * (ctx.size("tp_cp") // ctx.size("tp"))
         if cfg.load_balancing == "global_aux_loss":
             if replay.replaying():  # the first pass's window: later micro-batches have moved the counters since
                 averaged_E = self._replayed.pop(0)  # (and no all-reduce: every rank replays alike)

@@ -10,7 +10,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -189,7 +188,7 @@ class MoETransformer(nn.Module):
             return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
         total = vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx, reduction="sum")
         count = (labels_BS != IGNORE).sum().to(total.dtype)
-        dist.all_reduce(count, group=self.ctx.group("dp_cp"))  # a count: no gradient to carry
+        self.ctx.all_reduce_(count, "dp_cp")  # a count: no gradient to carry
         return total * ranks / count
 
     def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, position_ids_BS: Optional[torch.Tensor] = None,

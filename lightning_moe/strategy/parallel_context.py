@@ -95,7 +95,8 @@ class ParallelContext:
 
     def swap(self, **entries: tuple[int, int, Optional[dist.ProcessGroup]]) -> dict:
         """Replace the (size, rank, group) of named groups, e.g. ``cp`` for one micro-batch
-        (``DynamicContextParallel``); returns the entries it replaced, to swap back."""
+        (``DynamicContextParallel``); returns the entries it replaced, to swap back. ``members`` and ``layout`` keep
+        the static layout."""
         old = {n: (self.sizes[n], self.ranks[n], self.groups[n]) for n in entries}
         for n, (size, rank, group) in entries.items():
             self.sizes[n], self.ranks[n], self.groups[n] = size, rank, group
