@@ -249,6 +249,25 @@ class TokenDataModule(pl.LightningDataModule):
             _check_token_file(path, dtype, seq_length)
         self._resolved_path: Optional[str] = None
         self._packed: Optional[PackedDocumentDataset] = None
+        self._vocab_checked: Optional[tuple] = None
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the file and the first token id >= ``vocab_size`` (the model's), before any step: an
+        out-of-range id would index past the embedding. Scanned once per file and vocabulary, in bounded chunks."""
+        if self._resolved_path is None:
+            self.setup()
+        if self._vocab_checked == (self._resolved_path, vocab_size):
+            return
+        tokens = np.memmap(self._resolved_path, dtype=_DTYPES[self.dtype], mode="r")
+        step = 1 << 24
+        for start in range(0, tokens.size, step):
+            bad = np.flatnonzero(tokens[start:start + step] >= vocab_size)
+            if bad.size:
+                i = start + int(bad[0])
+                raise ValueError(f"path: {self._resolved_path!r} holds token id {int(tokens[i])} at index {i}, not "
+                                 f"below the model's vocab_size={vocab_size} (model.overrides.vocab_size); tokenize "
+                                 "with the model's tokenizer or raise vocab_size")
+        self._vocab_checked = (self._resolved_path, vocab_size)
 
     def set_data_parallel(self, rank: int, size: int) -> None:
         """Override the data-parallel rank/size (tests, non-Lightning use)."""

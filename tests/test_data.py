@@ -141,3 +141,20 @@ def test_trainer_fit(token_file):
     trainer.fit(TinyLM(), datamodule=dm)
     assert trainer.global_step == 1
     assert dm.data_parallel() == (0, 1)
+
+
+def test_token_ids_past_the_vocabulary_fail_before_training(tmp_path):
+    """A token id >= the model's vocabulary (it would index past the embedding) stops the fit at setup, naming the
+    file, the id and its index; nothing has been trained."""
+    from lightning_moe import MoELanguageModel
+    tokens = np.random.default_rng(0).integers(0, 200, 5000)
+    tokens[1234] = 300
+    path = write_tokens(str(tmp_path / "t.bin"), tokens.astype(np.uint16))
+    dm = TokenDataModule(path=path, seq_length=32, batch_size=2)
+    dm.check_vocab(301)  # within a larger vocabulary: fine
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"t.bin' holds token id 300 at index 1234, not below the model's "
+                                         r"vocab_size=256 \(model.overrides.vocab_size\)"):
+        trainer.fit(MoELanguageModel(preset="tiny"), datamodule=dm)
+    assert trainer.global_step == 0

@@ -81,6 +81,12 @@ class MoELanguageModel(L.LightningModule):
             from lightning_moe.hf_interop import load_hf_weights
             load_hf_weights(self.model, self.hparams.init_from_hf)
 
+    def setup(self, stage: str) -> None:
+        from lightning_moe.data import TokenDataModule
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if isinstance(dm, TokenDataModule):  # token ids past the vocabulary: one clear error before any step
+            dm.check_vocab(self.config.vocab_size)
+
     def check_layout(self, layout, pipeline_first_layers: Optional[int] = None,
                      pipeline_last_layers: Optional[int] = None) -> None:
         """Called by MoEFoldStrategy before any process group exists: a model that cannot be split over the layout
