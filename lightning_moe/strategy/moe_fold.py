@@ -96,6 +96,10 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         optimizer_cpu_offload: the fraction (0..1) of each rank's optimizer slice (main params and state) kept on the
             host and stepped there by torch's fused CPU kernel (Megatron's ``--optimizer-cpu-offload`` with
             ``--optimizer-offload-fraction``). Gradients go to the host and new weights back on side streams.
+        skip_nonfinite_steps: N: skip the optimizer step whenever the global gradient norm is NaN or infinite (the
+            weights and optimizer state stay those of the last finite step; a warning says so), and stop the run with
+            an error after N such steps in a row. None (default): step whatever the norm. Not with the distributed
+            optimizer yet.
     """
 
     strategy_name = "moe_fold"
@@ -111,7 +115,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  process_group_backend: Optional[str] = None, cuda_graphs: bool = False,
                  distributed_optimizer: bool = False, overlap_param_gather: bool = True,
                  main_params_dtype: Optional[str] = None, exp_avg_dtype: Optional[str] = None,
-                 exp_avg_sq_dtype: Optional[str] = None, optimizer_cpu_offload: float = 0.0, accelerator=None,
+                 exp_avg_sq_dtype: Optional[str] = None, optimizer_cpu_offload: float = 0.0,
+                 skip_nonfinite_steps: Optional[int] = None, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -169,6 +174,14 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self.fp32_main_params = self.optimizer_options.main_params_fp32
         self._main_params: Optional[MainParams] = None
         self._sharded: Optional[ShardedOptimizer] = None
+        if skip_nonfinite_steps is not None and (not isinstance(skip_nonfinite_steps, int) or skip_nonfinite_steps < 1):
+            raise ValueError(f"MoEFoldStrategy: skip_nonfinite_steps must be a positive integer or None, got "
+                             f"{skip_nonfinite_steps!r}")
+        if skip_nonfinite_steps is not None and distributed_optimizer:
+            raise ValueError("MoEFoldStrategy(skip_nonfinite_steps=...) does not work with distributed_optimizer=True "
+                             "yet (a skipped step would leave the sharded optimizer's buckets half-way); use one")
+        self.skip_nonfinite_steps, self.skipped_steps = skip_nonfinite_steps, 0
+        self._nonfinite_in_a_row, self._last_grad_norm = 0, None
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self.num_nodes = 1

@@ -9,8 +9,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_moe.strategy.grad_sync import clip_grad_norm_global_
+from lightning_moe.strategy.grad_sync import clip_grad_norm_global_, global_grad_norm
 from lightning_moe.strategy.optimizer_setup import setup_optimizer_state
 from lightning_moe.strategy.sharded_optimizer import ShardedOptimizer
 
@@ -75,17 +76,59 @@ class OptimizerHooks:
                     self._main_params.attach_grads(grad_sync.had_main_grad)
             return out
 
-        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self.skip_nonfinite_steps is None:
+            out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        else:
+            out = self._guarded_step(optimizer, closure_then_sync, model, **kwargs)
         if self._main_params is not None:
             self._main_params.copy_to_model()
         return out
 
+    def _guarded_step(self, optimizer, closure: Callable[[], Any], model, **kwargs: Any) -> Any:
+        """``skip_nonfinite_steps``: the optimizer steps only when the global gradient norm is finite (Megatron's
+        --check-for-nan-in-loss-and-grad, skipping rather than failing); N skips in a row stop the run."""
+        own = vars(optimizer).get("step")
+        real_step = optimizer.step
+
+        def guarded(closure=None, **kw):
+            loss = closure()  # forward, backward, gradient sync and clipping (which records the norm)
+            norm = self._last_grad_norm if self._last_grad_norm is not None else self._grad_norm(optimizer)
+            self._last_grad_norm = None
+            if bool(torch.isfinite(norm)):  # one host sync per step, only with the guard on
+                self._nonfinite_in_a_row = 0
+                return real_step(closure=lambda: loss, **kw)
+            self._nonfinite_in_a_row += 1
+            self.skipped_steps += 1
+            rank_zero_warn(f"MoEFoldStrategy: step {self.lightning_module.global_step} skipped, its gradient norm is "
+                           f"{float(norm)} ({self._nonfinite_in_a_row} in a row, {self.skipped_steps} in all)")
+            if self._nonfinite_in_a_row >= self.skip_nonfinite_steps:
+                raise RuntimeError(f"MoEFoldStrategy(skip_nonfinite_steps={self.skip_nonfinite_steps}): "
+                                   f"{self._nonfinite_in_a_row} optimizer steps in a row had a non-finite gradient "
+                                   "norm; stopping (the weights are those of the last finite step, and the last "
+                                   "checkpoint is intact)")
+            return loss
+
+        optimizer.step = guarded
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if own is not None:
+                optimizer.step = own
+            else:
+                del optimizer.step
+
+    def _grad_norm(self, optimizer) -> torch.Tensor:
+        if self._sharded is not None:
+            return self._sharded.grad_norm()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return global_grad_norm(params, self.parallel_context)
+
     def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         if self._sharded is not None:
-            self._sharded.clip_grad_norm_(float(clip_val))
+            self._last_grad_norm = self._sharded.clip_grad_norm_(float(clip_val))
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_global_(params, float(clip_val), self.parallel_context)
+        self._last_grad_norm = clip_grad_norm_global_(params, float(clip_val), self.parallel_context)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._sharded is not None:  # the weights in flight to the next forward; the fp32 mains are saved as slices
