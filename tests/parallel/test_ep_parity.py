@@ -6,18 +6,34 @@ buffer after 3 AdamW steps with gradient clipping (0.5, so it engages), and the 
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 
 from tests.parallel.parity import BF16_TOL, PACKED, TOL, Case, check_case, run_cases, runnable
 
 GLOBAL = dict(score_function="sigmoid", expert_bias=True, bias_update_rate=1e-2, load_balancing="global_aux_loss")
 CAP = dict(capacity_factor=1.0, drop_policy="probs")
+FIXED = dict(GLOBAL, bias_update_rate=0.0)
+
+
+class TwoExpertsTakeAll(L.Callback):
+    """Extreme routing: every token to experts 0 and 1 (both on EP rank 0), their expert bias dwarfing every sigmoid
+    score; the other rank's experts get nothing."""
+
+    def on_fit_start(self, trainer, pl_module):
+        for moe in pl_module.model.moe_layers():
+            moe.router.expert_bias[:2] = 100.0
+
 
 CASES = [
     Case("ep2_alltoall_dropless", 2, ep=2, model=dict(dispatcher="alltoall", load_balancing="global_aux_loss")),
     # packed documents over DP2: each rank's targets differ in number, the loss is normalised over the global batch
     Case("ep2_packed_documents", 2, ep=2, model=dict(load_balancing="global_aux_loss"), data=PACKED),
     Case("ep2_allgather_dropless", 2, ep=2, model=dict(dispatcher="allgather", load_balancing="global_aux_loss")),
+    # all tokens to two experts of one rank: dropless survives, capacity drops all but each expert's capacity
+    Case("ep2_two_experts_take_all", 2, ep=2, model=FIXED, callbacks=(TwoExpertsTakeAll,)),
+    Case("ep2_two_experts_take_all_capacity", 2, ep=2, callbacks=(TwoExpertsTakeAll,),
+         model=dict(score_function="sigmoid", expert_bias=True, bias_update_rate=0.0, **CAP)),
     Case("ep2_alltoall_capacity", 2, ep=2, model=dict(dispatcher="alltoall", **CAP)),
     Case("ep2_allgather_capacity", 2, ep=2, model=dict(dispatcher="allgather", **CAP)),
     Case("ep2_alltoall_padded", 2, ep=2, model=dict(dispatcher="alltoall", pad_to_capacity=True, **CAP)),
