@@ -6,8 +6,9 @@ Router fields follow Megatron Core's names in snake_case (``moe_router_topk`` ->
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -70,6 +71,7 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # free-form notes carried by presets
 
     def __post_init__(self) -> None:
+        self._check_types()
         # remembered (not a field) so that replace() re-derives them instead of copying stale values
         object.__setattr__(self, "_derived", {n for n in ("num_kv_heads", "head_dim") if getattr(self, n) is None})
         if self.num_kv_heads is None:
@@ -82,6 +84,40 @@ class ModelConfig:
         self.validate()
 
     # ------------------------------------------------------------------ validation
+    def _check_types(self) -> None:
+        for name, value in self.typed({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}).items():
+            setattr(self, name, value)
+
+    @classmethod
+    def typed(cls, values: dict) -> dict:
+        """``values`` with each field of its declared type. Strings are read as YAML first: the CLI hands
+        ``--model.overrides.*`` over as text (``"8"``, ``"1e-3"``, ``"true"``, ``"null"``). A wrong type is one
+        error naming the field."""
+        import yaml
+        hints, out = get_type_hints(cls), dict(values)
+        for name, value in values.items():
+            hint = hints[name]
+            args = get_args(hint) if get_origin(hint) is Union else (hint,)
+            if get_origin(hint) is Literal or name in ("dispatcher", "extra"):
+                continue  # checked by value in validate()
+            if isinstance(value, str) and str not in args:
+                for parse in (yaml.safe_load, int, float):  # YAML 1.1 reads "1e-3" as text
+                    try:
+                        value = parse(value)
+                    except (yaml.YAMLError, ValueError):
+                        continue
+                    if not isinstance(value, str):
+                        break
+            ok = [a for a in args if (a is type(None) and value is None) or (a is bool and isinstance(value, bool))
+                  or (a is int and isinstance(value, int) and not isinstance(value, bool))
+                  or (a is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+                  or (get_origin(a) is list and isinstance(value, list))]
+            if not ok:
+                names = " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+                raise ValueError(f"ModelConfig.{name}: expected {names}, got {values[name]!r}")
+            out[name] = float(value) if ok[0] is float else value
+        return out
+
     def validate(self) -> None:
         def bad(name: str, msg: str) -> ValueError:
             return ValueError(f"ModelConfig.{name}: {msg}")
@@ -171,10 +207,13 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"ModelConfig.from_preset: unknown preset {name!r}; choose from {sorted(PRESETS)}")
         fields = dict(PRESETS[name])
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(overrides) - set(names))
         if unknown:
-            raise ValueError(f"ModelConfig.from_preset: unknown fields {sorted(unknown)}")
-        fields.update(overrides)
+            hints = [f"{u!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(u, names, 1)) else
+                     repr(u) for u in unknown]
+            raise ValueError(f"ModelConfig: unknown fields {', '.join(hints)}")
+        fields.update(cls.typed(overrides))
         if "num_layers" in overrides and "first_k_dense" not in overrides:
             fields["first_k_dense"] = min(fields.get("first_k_dense", 0), max(fields["num_layers"] - 1, 0))
         return cls(**fields)
