@@ -31,7 +31,7 @@ BAD = [
     (O + "num_groups=2", "ModelConfig.group_topk: num_groups and group_topk must be set together"),
     (S + "expert_parallel_size=0", "expert_parallel_size must be a positive integer, got 0"),
     (S + "skip_nonfinite_steps=0", "skip_nonfinite_steps must be a positive integer or None, got 0"),
-    (S + "optimizer_cpu_offload=2", "optimizer_cpu_offload=2): must be a fraction of the optimizer state in [0, 1]"),
+    (S + "optimizer_cpu_offload=2", "optimizer_cpu_offload=2.0): must be a fraction of the optimizer state in [0, 1]"),
     (D + "seq_length=0", "seq_length must be an integer >= 1, got 0"),
     (D + "batch_size=-1", "batch_size must be an integer >= 1, got -1"),
     (D + "dtype=int8", "dtype must be one of ['uint16', 'uint32'], got 'int8'"),
