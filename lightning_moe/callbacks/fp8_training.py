@@ -93,8 +93,7 @@ class FP8Training(L.Callback):
         self._dispatchers = dispatchers
         grouped = [g for g in targets if g.grouped]
         dense = "emulated" if emulate or self.recipe == "blockwise" else "torch._scaled_mm"
-        on_kernel = sum(not emulate and self.recipe != "blockwise" and g.K % 16 == 0 and g.N % 16 == 0
-                        and grouped_kernels.available(device) for g in grouped)
+        on_kernel = sum(not emulate and grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in grouped)
         backward = "" if not on_kernel or self._spec(grouped[0], None).formats()[1] == "e4m3" else \
             " (their backward emulated: no E5M2 grouped kernel; fp8_format='e4m3' runs it on the kernel)"
         rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - len(grouped)} dense GEMMs ({dense}), "

@@ -107,13 +107,18 @@ saturate = fused(_saturate)
 abs_amax = fused(_abs_amax)
 
 
+def scale_of(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The quantization scale of a block: ``fmt_max / amax`` (fp32)."""
+    return FORMATS[fmt][1] / amax.float().clamp_min(_TINY)
+
+
 def quantize(x_RK: torch.Tensor, fmt: str, t: Tiling,
              amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_RK in FP8, scale)``: ``q = saturate(x * scale)`` per block, ``scale = fmt_max / amax`` (``amax`` given:
     delayed scaling, or reduced over ranks). ``scale`` has one entry per block."""
     dtype, fmax = FORMATS[fmt]
     amax = block_amax(x_RK, t) if amax is None else amax.float().reshape(block_amax_shape(x_RK, t))
-    scale = fmax / amax.clamp_min(_TINY)
+    scale = scale_of(amax, fmt)
     return saturate(x_RK, _expand(scale, x_RK, t), fmax, dtype), scale
 
 

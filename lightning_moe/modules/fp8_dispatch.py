@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_moe.modules.fp8 import FORMATS, abs_amax, saturate
+from lightning_moe.modules.fp8 import FORMATS, abs_amax, saturate, scale_of
 from lightning_moe.strategy import comm
 
 SCALE_BYTES = 4  # one fp32 scale per row
@@ -26,7 +26,7 @@ SCALE_BYTES = 4  # one fp32 scale per row
 def pack(x_ND: torch.Tensor) -> torch.Tensor:
     """Each row in E4M3 (``scale = 448 / amax``, saturated), then the bytes of its fp32 scale: (N, D + 4) uint8."""
     dtype, fmax = FORMATS["e4m3"]
-    scale_N1 = fmax / abs_amax(x_ND.detach(), 1).clamp_min(1e-12)  # an all-zero row (padding) stays zero
+    scale_N1 = scale_of(abs_amax(x_ND.detach(), 1), "e4m3")  # an all-zero row (padding) stays zero
     q_ND = saturate(x_ND.detach(), scale_N1, fmax, dtype)
     scale_N4 = scale_N1.reshape(-1).view(torch.uint8).view(-1, SCALE_BYTES)  # flat first: N = 0 has odd strides
     return torch.cat([q_ND.view(torch.uint8), scale_N4], dim=1)

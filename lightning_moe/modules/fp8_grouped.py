@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, abs_amax, saturate, tiling
+from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, abs_amax, saturate, scale_of, tiling
 from lightning_moe.modules.fp8_linear import FP8Spec
 
 
 def _cast(x: torch.Tensor, amax: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``x`` quantized with the (broadcastable) amax of its block, and the scale used."""
     dtype, fmax = FORMATS[fmt]
-    scale = fmax / amax.float().clamp_min(1e-12)
+    scale = scale_of(amax, fmt)
     return saturate(x, scale, fmax, dtype), scale
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
-from lightning_moe.modules.fp8 import FORMATS, fused, tiling
+from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
 from lightning_moe.modules.fp8_grouped import (_cast, emulated_dgrad, emulated_wgrad, expert_of_rows, rows_amax,
                                                tokens_amax, weights_amax)
 from lightning_moe.modules.fp8_linear import FP8Spec
@@ -34,10 +34,13 @@ def available(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
+def eligible(recipe: str, K: int, N: int, device: torch.device) -> bool:
+    """Whether a K x N expert GEMM runs on the kernel: Hopper, a recipe with row/column scales, 16-byte dims."""
+    return recipe != "blockwise" and K % ALIGN == 0 and N % ALIGN == 0 and available(device)
+
+
 def runs(spec: FP8Spec, x_MK: torch.Tensor, w_LKN: torch.Tensor) -> bool:
-    """Whether this GEMM runs on the kernel: Hopper, a recipe with row/column scales, dimensions of 16 bytes."""
-    K, N = w_LKN.shape[1:]
-    return spec.recipe != "blockwise" and K % ALIGN == 0 and N % ALIGN == 0 and available(x_MK.device)
+    return eligible(spec.recipe, *w_LKN.shape[1:], x_MK.device)
 
 
 def _gemm(a, b, scale_a, scale_b, offs, fast: bool) -> torch.Tensor:
@@ -59,15 +62,11 @@ def _saturate_rows_t(x_PX, scale_LX, gid_P, fmax: float, dtype):
 saturate_t, saturate_rows_t = fused(_saturate_t), fused(_saturate_rows_t)
 
 
-def _scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    return FORMATS[fmt][1] / amax.float().clamp_min(1e-12)
-
-
 def _by_expert_t(x_MX, amax_LX, dest_M, gid_P, P: int, fmt: str):
     """The wgrad operand: ``x``'s rows at their padded places, quantized with per-expert (L, 1) or per-expert-and-
     feature (L, X) scales, transposed to (X, P); and the scales as (L, X)."""
     dtype, fmax = FORMATS[fmt]
-    scale_LX = _scale(amax_LX, fmt)
+    scale_LX = scale_of(amax_LX, fmt)
     x_PX = scatter_rows(x_MX, dest_M, P)
     return saturate_rows_t(x_PX, scale_LX, gid_P, fmax, dtype), scale_LX.expand(-1, x_MX.shape[1])
 
@@ -84,7 +83,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
         xq, xs = _cast(x_MK, rows_amax(x_MK, offs, gid_M, tiling(spec.recipe, "input"), spec, "x", row), fwd)
-        ws = _scale(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
+        ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
         dtype, fmax = FORMATS[fwd]
         w_cm = saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2)  # column-major, as the kernel reads B
         y = _gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, True)
