@@ -28,8 +28,10 @@ def _layer(shape, ctx, dispatcher):
     from lightning_moe import ModelConfig
     from lightning_moe.modules.init import init_weights
     from lightning_moe.modules.moe_layer import MoELayer
+    sync_free = dispatcher == "deepep_sync_free"  # DeepEP with worst-case receive buffers: no host sync
     cfg = ModelConfig(hidden_size=shape["h"], num_experts=shape["E"], moe_ffn_hidden_size=shape["f"], topk=shape["k"],
-                      dispatcher=dispatcher, aux_loss_coeff=1e-3)
+                      dispatcher="deepep" if sync_free else dispatcher, sync_free_dispatch=sync_free,
+                      aux_loss_coeff=1e-3)
     layer = MoELayer(cfg, ctx, 0.02).cuda()
     init_weights(layer, 0)
     layer.experts.to(torch.bfloat16)
@@ -119,7 +121,7 @@ def main():
     p.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
-    p.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "alltoall_dedup", "allgather"))
+    p.add_argument("--dispatcher", default="alltoall", choices=("alltoall", "alltoall_dedup", "allgather", "deepep", "deepep_sync_free"))
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="also time the EP layer with the token all-to-all in FP8 (alltoall dispatcher only)")
     a = p.parse_args()

@@ -253,6 +253,8 @@ def run_one(args, preset: str) -> dict:
         overrides["compile_router"] = True
     if args.dispatcher:
         overrides["dispatcher"] = args.dispatcher
+    if getattr(args, "sync_free_dispatch", False):
+        overrides["sync_free_dispatch"] = True
     if args.experts:  # weak scaling in experts: the same experts per GPU as EP grows
         overrides["num_experts"] = args.experts
     if args.first_k_dense is not None:
@@ -345,7 +347,7 @@ def run_one(args, preset: str) -> dict:
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts,
            "topk": cfg.topk, "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size, "seq_length": seq,
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
-           "dispatcher": cfg.dispatcher, "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
+           "dispatcher": cfg.dispatcher + ("_sync_free" if cfg.sync_free_dispatch else ""), "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
            "compile": False, "devices": args.devices, "recompute": args.recompute,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
@@ -385,6 +387,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
+        cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
         cmd += ["--nvfp4"] if args.nvfp4 else []
         cmd += ["--smoke"] if args.smoke else []
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
@@ -440,6 +443,8 @@ def main(argv=None) -> dict:
     p.add_argument("--experts", type=int, default=None, help="num_experts (default per preset)")
     p.add_argument("--first-k-dense", type=int, default=None, help="dense layers first (default per preset)")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")
+    p.add_argument("--sync-free-dispatch", action="store_true",
+                   help="ModelConfig.sync_free_dispatch=True (deepep: worst-case receive buffers, no host sync)")
     p.add_argument("--fp8", default=None, help="lightning_moe.FP8Training(recipe): tensorwise, delayed, rowwise, "
                    "blockwise")
     p.add_argument("--fp8-format", default=None, help="FP8Training(fp8_format=...): hybrid or e4m3")

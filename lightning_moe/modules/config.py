@@ -66,6 +66,8 @@ class ModelConfig:
 
     # --- execution ---
     dispatcher: str = "alltoall"  # "alltoall" | "allgather" | "deepep" | "package.module.ClassName"
+    # deepep only: size the receive side for the worst case so that no host sync waits for the counts
+    sync_free_dispatch: bool = False
     compile_router: bool = False  # torch.compile the router's scoring math on CUDA (it is launch-bound: ~40 tiny ops)
 
     extra: dict = field(default_factory=dict)  # free-form notes carried by presets
@@ -179,6 +181,9 @@ class ModelConfig:
             raise bad("moe_layer_freq", f"must be positive, got {self.moe_layer_freq}")
         if self.shared_expert_ffn_size < 0:
             raise bad("shared_expert_ffn_size", f"must be >= 0, got {self.shared_expert_ffn_size}")
+        if self.sync_free_dispatch and self.dispatcher != "deepep":
+            raise bad("sync_free_dispatch", f"needs dispatcher='deepep' (got {self.dispatcher!r}): DeepEP's "
+                                            "worst-case receive buffers keep the counts on the device")
         if "." not in self.dispatcher and self.dispatcher not in BUILTIN_DISPATCHERS:
             raise bad("dispatcher", f"unknown {self.dispatcher!r}; choose from {BUILTIN_DISPATCHERS} "
                                     "or give a class path 'package.module.ClassName'")

@@ -119,12 +119,8 @@ def build_dispatcher(cfg: ModelConfig, ctx: ParallelContext) -> TokenDispatcher:
     """Resolve ``cfg.dispatcher``: a built-in name or a ``package.module.ClassName`` path."""
     name = cfg.dispatcher
     if name == "deepep":
-        try:
-            import deep_ep  # noqa: F401
-        except ImportError as e:
-            raise ImportError("dispatcher='deepep' needs the DeepEP package (deep_ep), built from source; "
-                              "the PyPI package 'deep-ep' is not DeepEP. Use 'alltoall' instead.") from e
-        raise NotImplementedError("dispatcher='deepep' is not implemented yet; use 'alltoall'")
+        from lightning_moe.modules.deepep_dispatcher import DeepEPDispatcher
+        return DeepEPDispatcher(cfg, ctx)
     if name in ("alltoall", "alltoall_dedup", "allgather"):
         from lightning_moe.modules import dispatchers
         cls = {"alltoall": dispatchers.AllToAllDispatcher, "alltoall_dedup": dispatchers.AllToAllDedupDispatcher,

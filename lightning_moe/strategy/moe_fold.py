@@ -42,6 +42,7 @@ from lightning_moe.strategy.main_params import MainParams
 from lightning_moe.strategy.optimizer_options import OptimizerOptions
 from lightning_moe.strategy.optimizer_hooks import OptimizerHooks
 from lightning_moe.strategy.sharded_optimizer import ShardedOptimizer
+from lightning_moe.strategy import sigterm
 from lightning_moe.strategy.parallel_context import ParallelContext
 from lightning_moe.strategy.pipeline.engine import PipelineEngine
 from lightning_moe.strategy.pipeline.schedules import check_schedule, simulate
@@ -270,6 +271,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self._setup_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            sigterm.install(trainer, self._timeout)  # Lightning's per-step SIGTERM broadcast syncs with the GPU
 
     def _setup_pipeline(self, trainer) -> None:
         module = self.lightning_module

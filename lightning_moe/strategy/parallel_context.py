@@ -36,6 +36,8 @@ class ParallelContext:
     pipeline_first_layers: Optional[int] = None
     pipeline_last_layers: Optional[int] = None
     pipeline: Optional[PipelineGroups] = None  # neighbours and p2p groups when pp > 1
+    # communication buffers the layers share (DeepEP's NVLink buffer), keyed by purpose and group; made lazily
+    comm_buffers: dict = field(default_factory=dict)
 
     @classmethod
     def single(cls) -> "ParallelContext":

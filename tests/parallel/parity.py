@@ -133,13 +133,14 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
                                                             pipeline_parallel_size=case.pp, num_microbatches=case.m,
                                                             timeout=int(os.environ.get("LMOE_PARITY_TIMEOUT", "120")), **case.strategy), case.world, \
             GLOBAL_BATCH // dp, 1
+    elif case.dropping or case.m > 1:
+        # capacity and the aux loss are per micro-batch and per rank (as in Megatron): the reference runs each DP
+        # shard's micro-batches as its own micro-batches (bf16: with fp32 main params, as the parallel side)
+        strategy = MoEFoldStrategy() if case.precision != "32-true" else "auto"
+        strategy, devices, bs, accumulate = strategy, 1, GLOBAL_BATCH // (dp * case.m), dp * case.m
     elif case.precision != "32-true":
         # the reference also keeps fp32 main params, which plain Lightning bf16-true does not
         strategy, devices, bs, accumulate = MoEFoldStrategy(), 1, GLOBAL_BATCH, 1
-    elif case.dropping or case.m > 1:
-        # capacity and the aux loss are per micro-batch and per rank (as in Megatron): the reference runs each DP
-        # shard's micro-batches as its own micro-batches
-        strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH // (dp * case.m), dp * case.m
     else:
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH, 1
     accumulate *= case.accumulate
@@ -229,7 +230,12 @@ def parallel_worker(rank: int, world: int, cases: list, refs_path: str, tokens: 
 
 
 def runnable(cases: list) -> list:
-    """The cases this machine has ranks for: all on CPU (gloo), those with world <= the GPU count over NCCL."""
+    """The cases this machine has ranks for: all on CPU (gloo), those with world <= the GPU count over NCCL.
+    ``LMOE_PARITY_ONLY=regex`` keeps the cases whose names match (a short GPU session runs what it needs)."""
+    only = os.environ.get("LMOE_PARITY_ONLY")
+    if only:
+        import re
+        cases = [c for c in cases if re.search(only, c.name)]
     if ACCELERATOR != "gpu":
         return cases
     import torch

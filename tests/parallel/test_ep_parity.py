@@ -6,14 +6,17 @@ buffer after 3 AdamW steps with gradient clipping (0.5, so it engages), and the 
 
 from __future__ import annotations
 
+import importlib.util
+
 import lightning as L
 import pytest
 
-from tests.parallel.parity import BF16_TOL, PACKED, TOL, Case, check_case, run_cases, runnable
+from tests.parallel.parity import ACCELERATOR, BF16_TOL, PACKED, TOL, Case, check_case, run_cases, runnable
 
 GLOBAL = dict(score_function="sigmoid", expert_bias=True, bias_update_rate=1e-2, load_balancing="global_aux_loss")
 CAP = dict(capacity_factor=1.0, drop_policy="probs")
 FIXED = dict(GLOBAL, bias_update_rate=0.0)
+FAKE = "tests.parallel.fake_deep_ep"
 
 
 class TwoExpertsTakeAll(L.Callback):
@@ -57,7 +60,17 @@ CASES = [
     Case("ep2_edp2_bf16_main_params_accumulate2", 4, ep=2,
          model=dict(dispatcher="alltoall", load_balancing="global_aux_loss"), accumulate=2, precision="bf16-true",
          tol=BF16_TOL, lr=1e-3),
+    # the deepep dispatcher's logic on a gloo double of DeepEP's intranode buffer (tests/parallel/fake_deep_ep.py)
+    Case("ep2_deepep_gloo", 2, ep=2, model=dict(dispatcher=f"{FAKE}.GlooDeepEPDispatcher", **GLOBAL)),
+    Case("ep2_deepep_gloo_sync_free_capacity", 2, ep=2, model=dict(dispatcher=f"{FAKE}.GlooDeepEPSyncFree", **CAP)),
 ]
+if ACCELERATOR == "gpu" and importlib.util.find_spec("deep_ep") is not None:  # real DeepEP moves bf16
+    DEEPEP = dict(precision="bf16-true", tol=BF16_TOL, lr=1e-3)
+    CASES += [Case("ep2_deepep", 2, ep=2, model=dict(dispatcher="deepep", **GLOBAL), **DEEPEP),
+              Case("ep2_deepep_sync_free", 2, ep=2, model=dict(dispatcher="deepep", sync_free_dispatch=True,
+                                                                 **GLOBAL), **DEEPEP),
+              Case("ep2_deepep_capacity", 2, ep=2, model=dict(dispatcher="deepep", **CAP), **DEEPEP),
+              Case("ep4_deepep", 4, ep=4, model=dict(dispatcher="deepep", **GLOBAL), **DEEPEP)]
 
 CASES = runnable(CASES)
 
