@@ -10,7 +10,8 @@ named in ``k``. Within a group, ranks are sorted ascending; because the global r
 is the same as ordering by the varying coordinates with the fastest axis first. So ``rank_in("dp_cp", r)`` is
 ``cp + CP*dp`` and ``rank_in("etp_ep", r)`` is ``etp + ETP*ep``. Groups of one kind are sorted by their first rank.
 
-Invalid layouts raise ``ValueError`` naming the numbers, before any process group exists.
+Invalid layouts raise ``ValueError`` naming the numbers, before any process group exists. Launchers give each node
+consecutive ranks, so the fastest axes (TP, CP; ETP, EP) stay inside a node when they fit (``placement.py``).
 """
 
 from __future__ import annotations

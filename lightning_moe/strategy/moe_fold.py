@@ -3,10 +3,15 @@
 The strategy owns the process groups (one ParallelContext handed to the LightningModule before
 ``configure_model``), data sharding over attention-DP ranks, gradient sync (dense over dp x cp, experts over edp,
 bucketed and overlapped with the last backward of each step) and global-norm gradient clipping.
+
+Several nodes: ``Trainer(num_nodes=N, devices=D)`` under torchrun or srun (Lightning's TorchElasticEnvironment or
+SLURMEnvironment). The launch must be N x D processes; the groups that cross nodes are found from each rank's node at
+setup (``placement.py``), and rank 0 warns when TP, CP, ETP or EP groups do.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from datetime import timedelta
@@ -15,6 +20,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -44,6 +50,7 @@ from lightning_moe.strategy.optimizer_hooks import OptimizerHooks
 from lightning_moe.strategy.sharded_optimizer import ShardedOptimizer
 from lightning_moe.strategy import sigterm
 from lightning_moe.strategy.parallel_context import ParallelContext
+from lightning_moe.strategy.placement import crossing_groups, placement_warning
 from lightning_moe.strategy.pipeline.engine import PipelineEngine
 from lightning_moe.strategy.pipeline.schedules import check_schedule, simulate
 
@@ -187,6 +194,10 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self.layout: Optional[Layout] = None
+        # set up by setup_environment: the node of each global rank, the groups of each kind that span nodes
+        self.node_of_rank: Optional[tuple[int, ...]] = None
+        self.cross_node_groups: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self._placement_warned = False
         self.parallel_context: Optional[ParallelContext] = None
         self._grad_sync: Optional[GradSync] = None
 
@@ -223,8 +234,36 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         assert self.cluster_environment is not None
         # validate the layout now, in the launching process, before any worker or process group exists
         self._make_layout(self.num_nodes * self.num_processes)
-        if not self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally:
+            self._check_external_launch()
+        else:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _check_external_launch(self) -> None:
+        """torchrun, srun or another launcher started the processes: they must be the ``num_nodes x devices`` the
+        Trainer was given, with ``devices`` processes on each node (otherwise ranks would wait for each other forever
+        or build another layout than the one checked)."""
+        env = self.cluster_environment
+        name = type(env).__name__
+        asked = f"Trainer(num_nodes={self.num_nodes}, devices={self.num_processes})"
+        world = env.world_size()
+        if world != self.num_nodes * self.num_processes:
+            raise ValueError(f"MoEFoldStrategy: the launcher ({name}) started {world} processes in all, but {asked} "
+                             f"expects num_nodes x devices = {self.num_nodes * self.num_processes}. Launch "
+                             f"{self.num_processes} processes on each of {self.num_nodes} nodes (torchrun --nnodes "
+                             f"{self.num_nodes} --nproc-per-node {self.num_processes}; srun --nodes {self.num_nodes} "
+                             f"--ntasks-per-node {self.num_processes}), or change num_nodes / devices.")
+        # the launcher's count of processes on this node
+        var = next((v for cls, v in ((TorchElasticEnvironment, "LOCAL_WORLD_SIZE"),
+                                     (SLURMEnvironment, "SLURM_NTASKS_PER_NODE")) if isinstance(env, cls)), None)
+        value = os.environ.get(var, "") if var else ""
+        if value.isdigit() and int(value) != self.num_processes:
+            raise ValueError(f"MoEFoldStrategy: {var}={value} processes run on this node, but {asked} expects "
+                             f"devices={self.num_processes} per node; set devices={value} or launch "
+                             f"{self.num_processes} per node.")
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"MoEFoldStrategy: this process is on node {self.node_rank} ({name}), but {asked} has "
+                             f"nodes 0..{self.num_nodes - 1}.")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -246,6 +285,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._check_placement()
         self.parallel_context = ParallelContext.from_layout(
             self.layout, self.global_rank, sequence_parallel=self.sequence_parallel, timeout=self._timeout,
             pipeline_first_layers=self.pipeline_first_stage_layers,
@@ -253,6 +293,23 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         # handed to the LightningModule before configure_model (Lightning calls that after setup_environment)
         if self.lightning_module is not None:
             self.lightning_module.parallel_context = self.parallel_context
+
+    def _check_placement(self) -> None:
+        """Record the node of every rank (``node_of_rank``) and which groups cross nodes (``cross_node_groups``); warn
+        once when a TP, CP, ETP or EP group does. One all-gather of the node ranks, only with several nodes."""
+        world = self.layout.world_size
+        if self.num_nodes == 1:
+            self.node_of_rank = (0,) * world
+        else:
+            mine = torch.tensor([self.node_rank], dtype=torch.int64, device=self.root_device)
+            nodes = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(nodes, mine)
+            self.node_of_rank = tuple(int(n.item()) for n in nodes)
+        self.cross_node_groups = {k: g for k, g in crossing_groups(self.layout, self.node_of_rank).items() if g}
+        message = placement_warning(self.layout, self.node_of_rank)
+        if message is not None and not self._placement_warned:
+            self._placement_warned = True
+            rank_zero_warn(message)
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None

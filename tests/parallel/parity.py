@@ -54,6 +54,7 @@ class Case:
     adam_eps: float = 1e-8
     callbacks: tuple = ()  # callback factories (e.g. functools.partial(FP8Training, "rowwise")), on both sides
     data: dict = field(default_factory=dict)  # extra TokenDataModule arguments (PACKED: packed documents)
+    nodes: int = 1  # Trainer(num_nodes=...) of the parallel run: world // nodes devices on each
 
     @property
     def dp(self) -> int:
@@ -131,7 +132,7 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
                                                             tensor_parallel_size=case.tp,
                                                             context_parallel_size=case.cp, sequence_parallel=case.sp,
                                                             pipeline_parallel_size=case.pp, num_microbatches=case.m,
-                                                            timeout=int(os.environ.get("LMOE_PARITY_TIMEOUT", "120")), **case.strategy), case.world, \
+                                                            timeout=int(os.environ.get("LMOE_PARITY_TIMEOUT", "120")), **case.strategy), case.world // case.nodes, \
             GLOBAL_BATCH // dp, 1
     elif case.dropping or case.m > 1:
         # capacity and the aux loss are per micro-batch and per rank (as in Megatron): the reference runs each DP
@@ -145,7 +146,8 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
         strategy, devices, bs, accumulate = "auto", 1, GLOBAL_BATCH, 1
     accumulate *= case.accumulate
     rec = Recorder()
-    trainer = L.Trainer(accelerator=ACCELERATOR, devices=devices, strategy=strategy, max_steps=STEPS,
+    trainer = L.Trainer(accelerator=ACCELERATOR, devices=devices, num_nodes=case.nodes if parallel else 1,
+                        strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[rec, *(make() for make in case.callbacks)], default_root_dir=root,
@@ -167,7 +169,12 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     grads = {n: g.cpu() for n, g in rec.grads.items()}
     specs = {n: (getattr(p, "tp_shard_dim", None), getattr(p, "tp_parts", 1))
              for n, p in model.model.named_parameters()}
-    return {"losses": losses.cpu(), "grads": grads, "state": state, "ctx": model.parallel_context, "specs": specs}
+    # where the ranks ran (MoEFoldStrategy only): the launcher's environment, each rank's node, groups across nodes
+    placement = {"environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+                 "node_of_rank": getattr(trainer.strategy, "node_of_rank", None),
+                 "cross_node_groups": getattr(trainer.strategy, "cross_node_groups", None)}
+    return {"losses": losses.cpu(), "grads": grads, "state": state, "ctx": model.parallel_context, "specs": specs,
+            "placement": placement}
 
 
 def reference_slice(name: str, full: torch.Tensor, ctx, num_experts: int, spec=(None, 1)) -> torch.Tensor:
