@@ -69,6 +69,9 @@ class ModelConfig:
     # deepep only: size the receive side for the worst case so that no host sync waits for the counts
     sync_free_dispatch: bool = False
     compile_router: bool = False  # torch.compile the router's scoring math on CUDA (it is launch-bound: ~40 tiny ops)
+    # Megatron's --moe-shared-expert-overlap: shared experts on a side CUDA stream while the router, the dispatch and
+    # the routed experts run (their backward follows them there); in order on CPU
+    shared_expert_overlap: bool = False
 
     extra: dict = field(default_factory=dict)  # free-form notes carried by presets
 
@@ -181,6 +184,8 @@ class ModelConfig:
             raise bad("moe_layer_freq", f"must be positive, got {self.moe_layer_freq}")
         if self.shared_expert_ffn_size < 0:
             raise bad("shared_expert_ffn_size", f"must be >= 0, got {self.shared_expert_ffn_size}")
+        if self.shared_expert_overlap and not self.shared_expert_ffn_size:
+            raise bad("shared_expert_overlap", "needs shared experts (shared_expert_ffn_size > 0)")
         if self.sync_free_dispatch and self.dispatcher != "deepep":
             raise bad("sync_free_dispatch", f"needs dispatcher='deepep' (got {self.dispatcher!r}): DeepEP's "
                                             "worst-case receive buffers keep the counts on the device")

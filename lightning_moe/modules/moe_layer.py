@@ -36,11 +36,27 @@ class MoELayer(nn.Module):
                                       etp_size=ctx.etp, init_std=cfg.init_std, out_std=out_std)
         self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn_size, cfg.init_std, out_std, ctx)
                                if cfg.shared_expert_ffn_size else None)
+        self.shared_expert_overlap = cfg.shared_expert_overlap
         self.last_stats: dict[str, torch.Tensor] = {}
+
+    def _shared(self, x_BSD: torch.Tensor):
+        """The shared experts, on a side stream when overlapped: returns (output, stream to join or None)."""
+        if not (self.shared_expert_overlap and x_BSD.is_cuda) or torch.cuda.is_current_stream_capturing():
+            return self.shared_experts(x_BSD), None
+        main = torch.cuda.current_stream()
+        key = ("shared_expert_stream", x_BSD.device)  # one side stream for all layers
+        if key not in self.ctx.comm_buffers:
+            self.ctx.comm_buffers[key] = torch.cuda.Stream(device=x_BSD.device)
+        side = self.ctx.comm_buffers[key]
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):  # autograd runs their backward on this stream too
+            shared_BSD = self.shared_experts(x_BSD)
+        x_BSD.record_stream(side)  # the allocator must not reuse x while the side stream reads it
+        return shared_BSD, side
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the layer output and its auxiliary loss (load balancing + z-loss, coefficients applied)."""
-        shared_BSD = self.shared_experts(x_BSD) if self.shared_experts is not None else None
+        shared_BSD, side = self._shared(x_BSD) if self.shared_experts is not None else (None, None)
         tp_group = self.ctx.group("tp")
         split = tp_group is not None and not self.ctx.sequence_parallel
         if split:
@@ -53,6 +69,9 @@ class MoELayer(nn.Module):
         y_BSD = self.dispatcher.combine(y_MD, st).to(x_BSD.dtype).view(B, S, D)
         if split:
             y_BSD = gather_seq_replicated(y_BSD, tp_group)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+            shared_BSD.record_stream(torch.cuda.current_stream())
         if shared_BSD is not None:
             y_BSD = y_BSD + shared_BSD
         if not replay.replaying():  # a recomputation's replay reports nothing new
