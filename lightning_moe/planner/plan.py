@@ -40,9 +40,9 @@ def plan(preset: Optional[str] = None, overrides: Optional[dict] = None, *, gpus
     kind = gpu_kind(gpu)
     cfg = model_config(preset, overrides, config)
     seq = seq_length or cfg.seq_length
-    for name, value in (("gpus", gpus), ("seq_length", seq), ("micro_batch_size", micro_batch_size or 1),
-                        ("global_batch_size", global_batch_size or 1), ("top", top)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    for name, value in (("gpus", gpus), ("seq_length", seq), ("micro_batch_size", micro_batch_size),
+                        ("global_batch_size", global_batch_size), ("top", top)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
     gbs = global_batch_size or 8 * gpus
     model, base = ModelShape(cfg, seq), Settings(precision=precision)
@@ -88,17 +88,14 @@ def _best(model: ModelShape, c: Candidate, options: dict, kind: GPU):
 
 
 def _no_layout(cfg: ModelConfig, gpus: int, gbs: int, mb: Optional[int], seq: int) -> str:
+    """Pure data parallelism is always a valid layout, so what fails is the split of the global batch."""
     from lightning_moe.planner.search import layouts
-    valid = list(layouts(cfg, gpus, gpus, seq))
-    if not valid:
-        return (f"no folded layout uses {gpus} GPUs: TP, CP and PP must divide the attention heads, the sequence "
-                f"({seq}) and the {cfg.num_layers} layers, EP the {cfg.num_experts} experts, and their products the GPU "
-                "count")
-    dps = sorted({gpus // (tp * cp * pp) for tp, cp, pp, *_ in valid})
+    dps = sorted({gpus // (tp * cp * pp) for tp, cp, pp, *_ in layouts(cfg, gpus, gpus, seq)})
+    step = dps[0] * (mb or 1)
     return (f"no layout of {gpus} GPUs splits the global batch of {gbs} sequences into micro-batches"
             f"{f' of {mb}' if mb else ''} over its data-parallel ranks (the valid layouts have DP = "
             f"{', '.join(map(str, dps))}); choose a global batch that one of them divides, e.g. "
-            f"{dps[0] * (mb or 1) * max(1, -(-gbs // (dps[0] * (mb or 1))))}")
+            f"{step * -(-gbs // step)}")
 
 
 def _fits_nowhere(cfg: ModelConfig, gpus: int, kind: GPU, c: Candidate, s: Settings, m: Memory) -> str:
