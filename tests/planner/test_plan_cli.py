@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import yaml
@@ -54,7 +55,7 @@ def test_table_and_python_api_agree(capsys):
     assert f"{best[0].tflops_per_gpu:7.1f}" in lines[2] and f"{best[0].memory.total:6.1f}" in lines[2]
 
 
-def test_written_config_parses_with_the_fit_parser(capsys, tmp_path):
+def test_written_config_parses_with_the_fit_parser(capsys, tmp_path, monkeypatch):
     """The full qwen3-30b-a3b on 8 H100s needs a pipeline, recomputation and optimizer offload: all of it must come
     back from the fit CLI's own parser as planned."""
     path = tmp_path / "best.yaml"
@@ -62,6 +63,7 @@ def test_written_config_parses_with_the_fit_parser(capsys, tmp_path):
                         "--write-config", str(path))
     top = json.loads(out)[0]
     assert code == 0 and top["pp"] > 1 and top["recompute"] and top["optimizer_cpu_offload"] > 0
+    monkeypatch.setattr(sys, "argv", ["lightning-moe"])  # pytest's own arguments are not the CLI's
     with pytest.raises(SystemExit) as info:
         cli.main(["fit", "--config", str(path), "--print_config"])
     assert info.value.code == 0
