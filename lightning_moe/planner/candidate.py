@@ -31,12 +31,6 @@ class Candidate:
     def edp(self) -> int:
         return self.gpus // (self.etp * self.ep * self.pp)
 
-    @property
-    def schedule(self) -> Optional[str]:
-        if self.pp == 1:
-            return None
-        return "interleaved_1f1b" if (self.vpp or 1) > 1 else "1f1b"
-
     def ranks(self, model) -> list:
         """Per pipeline rank, its layers and parameters (``model``: a ``ModelShape``)."""
         return model.ranks(self.pp, self.vpp, self.first, self.last)

@@ -14,12 +14,9 @@ from lightning_moe.planner.gpus import GPU
 from lightning_moe.planner.settings import Settings
 from lightning_moe.planner.shape import ModelShape
 
-COSTS = ("compute", "all-to-all", "TP/CP collectives", "bubble", "optimizer")
-
-
 class StepTime(NamedTuple):
     seconds: float
-    parts: dict[str, float]  # seconds of the step spent on each of COSTS (on the slowest pipeline rank)
+    parts: dict[str, float]  # seconds of the step: compute, all-to-all, TP/CP collectives, bubble, optimizer
 
     @property
     def dominant(self) -> str:

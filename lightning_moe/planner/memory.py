@@ -69,6 +69,3 @@ def activations(model: ModelShape, c: Candidate, settings: Settings, rank: int) 
 def rank_memory(model: ModelShape, c: Candidate, settings: Settings, rank: int) -> Memory:
     return states(model, c, settings, rank)._replace(activations=activations(model, c, settings, rank))
 
-
-def memory_per_rank(model: ModelShape, c: Candidate, settings: Settings) -> list[Memory]:
-    return [rank_memory(model, c, settings, r) for r in range(c.pp)]

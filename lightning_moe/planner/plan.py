@@ -34,7 +34,7 @@ def plan(preset: Optional[str] = None, overrides: Optional[dict] = None, *, gpus
     """The ``top`` fastest layouts that fit, best first.
 
     ``global_batch_size`` (sequences per optimizer step) defaults to 8 per GPU; ``micro_batch_size`` (per data-parallel
-    rank) to the best of 1, 2 and 4. Each layout gets the cheapest memory settings that fit (``settings.ladder``).
+    rank) to the best of 1, 2 and 4. Each layout gets the fastest of the memory settings that fit (``settings.py``).
     Raises ``PlanError`` when no layout can use the GPUs or none fits, saying why.
     """
     kind = gpu_kind(gpu)
@@ -50,10 +50,10 @@ def plan(preset: Optional[str] = None, overrides: Optional[dict] = None, *, gpus
                                   optimizer_cpu_offload=o.optimizer_cpu_offload) for o in optimizer_options(base, sharded)]
                          for a in activation_options(base)] for sharded in (False, True)}
     flops = training_flops_per_token(cfg, seq) * gbs * seq
-    fits, closest, seen = [], None, 0
+    fits, closest, seen, static = [], None, 0, {}
     for c in candidates(cfg, gpus, kind.gpus_per_node, seq, gbs, micro_batch_size):
         seen += 1
-        best, smallest = _best(model, c, options, kind)
+        best, smallest = _best(model, c, options, kind, static)
         if best is not None:
             fits.append(Choice(c, best[0], best[1], best[2], flops / best[2].seconds / gpus / 1e12))
         elif closest is None or smallest[2].total < closest[2].total:
@@ -66,17 +66,22 @@ def plan(preset: Optional[str] = None, overrides: Optional[dict] = None, *, gpus
     return fits[:top]
 
 
-def _best(model: ModelShape, c: Candidate, options: dict, kind: GPU):
+def _best(model: ModelShape, c: Candidate, options: dict, kind: GPU, static: dict):
     """((settings, memory, time) of the fastest settings that fit, or None; (candidate, settings, memory) of the
-    smallest peak seen). ``options``: the settings to try, {sharded optimizer: [[settings] per activation option]}."""
+    smallest peak seen). ``options``: the settings to try, {sharded optimizer: [[settings] per activation option]};
+    ``static``: the states per layout and optimizer option, shared by the micro-batch sizes of one layout."""
     cap = USABLE * kind.memory_gib
     grid = options[c.dp * c.cp > 1 or c.edp > 1]
-    static = {o: [states(model, c, o, r) for r in range(c.pp)] for o in grid[0]}
+    ranks = model.peak_ranks(c.pp, c.vpp, c.first, c.last)
+    layout = (c.tp, c.cp, c.pp, c.vpp, c.ep, c.etp, c.first, c.last)
+    for o in grid[0]:
+        if (layout, o) not in static:
+            static[layout, o] = [states(model, c, o, r) for r in ranks]
     best = smallest = None
     for row in grid:
-        act = [activations(model, c, row[0], r) for r in range(c.pp)]
+        act = [activations(model, c, row[0], r) for r in ranks]
         for o, s in zip(grid[0], row):
-            mem = max((m._replace(activations=x) for m, x in zip(static[o], act)), key=lambda m: m.total)
+            mem = max((m._replace(activations=x) for m, x in zip(static[layout, o], act)), key=lambda m: m.total)
             if smallest is None or mem.total < smallest[2].total:
                 smallest = (c, s, mem)
             if mem.total <= cap:

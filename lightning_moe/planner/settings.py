@@ -22,7 +22,6 @@ class Settings:
     optimizer_cpu_offload: float = 0.0
     recompute: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()  # ActivationOffload modules
-    dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

@@ -38,6 +38,7 @@ class ModelShape:
         self.terms = lru_cache(maxsize=None)(self._terms)
         self.kept = lru_cache(maxsize=None)(self._kept)
         self.ranks = lru_cache(maxsize=None)(self._ranks)
+        self.peak_ranks = lru_cache(maxsize=None)(self._peak_ranks)
 
     def kinds(self, layers: range) -> tuple[int, int]:
         """(dense, MoE) layers in ``layers``."""
@@ -62,6 +63,14 @@ class ModelShape:
             kinds = tuple(self.kinds(ch) for ch in chunks)
             out.append(RankLayers(kinds, self.stage_params(list(chunks), r == 0, r == pp - 1, pp)))
         return out
+
+    def _peak_ranks(self, pp: int, vpp: Optional[int], first: Optional[int], last: Optional[int]) -> tuple[int, ...]:
+        """The pipeline ranks that can hold the peak: of ranks with the same layers the first (the schedules keep
+        fewer micro-batches in flight on later ranks), and the last (the loss)."""
+        firsts: dict[RankLayers, int] = {}
+        for r, rank in enumerate(self.ranks(pp, vpp, first, last)):
+            firsts.setdefault(rank, r)
+        return tuple(sorted(set(firsts.values()) | {pp - 1}))
 
     def _terms(self, moe: bool, tp: int, cp: int, etp: int) -> dict[str, float]:
         return layer_terms(self.cfg, self._index[moe], tp, cp, etp)

@@ -137,7 +137,8 @@ def predict(run: Run) -> tuple[float, float, str]:
     cfg = ModelConfig.from_preset(preset, **overrides, seq_length=run.seq)
     model, s = ModelShape(cfg, run.seq), run.sizes()
     c = Candidate(run.gpus, s["tp"], s["cp"], s["pp"], s["vpp"], s["ep"], s["etp"], run.mb, run.m)
-    settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in run.options.items()})
+    # the dispatcher is not part of the cost model
+    settings = Settings(**{k: v for k, v in run.options.items() if k != "dispatcher"})
     t = step_time(model, c, settings, gpu_kind(run.gpu))
     tokens = run.mb * run.m * c.dp * run.seq
     tflops = training_flops_per_token(cfg, run.seq) * tokens / t.seconds / run.gpus / 1e12
