@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
 from typing import Optional
 
 from lightning_moe.strategy.pipeline.schedules import build_schedule, exchange_phases, simulate
@@ -39,9 +38,8 @@ class Candidate:
         """(dense, expert) parameters on one GPU of pipeline rank ``rank``."""
         return self.ranks(model)[rank].params.per_rank(self.tp, self.ep, self.etp)
 
-    @cached_property
-    def pipeline(self) -> "PipelineShape":
-        return pipeline_shape(self.pp, self.m, self.vpp)
+    def pipeline(self, model) -> "PipelineShape":
+        return model.pipeline(self.pp, self.m, self.vpp)
 
 
 @dataclass(frozen=True)
@@ -51,13 +49,13 @@ class PipelineShape:
     exchanges: int  # p2p exchanges per rank and step (the executor synchronises at each)
 
 
-@lru_cache(maxsize=1024)
 def pipeline_shape(pp: int, m: int, vpp: Optional[int]) -> PipelineShape:
     """What the pipeline schedule simulator says about ``pp`` stages, ``m`` micro-batches and ``vpp`` chunks.
 
     Beyond 2 x pp micro-batches a schedule only lengthens its steady state: the in-flight counts stop growing and the
     bubble follows the simulator's (pp - 1) / (vpp * m + pp - 1) (exact for 1F1B and interleaved 1F1B, see
-    ``schedules.simulate``), so the simulator runs on at most 2 x pp micro-batches and large m stays cheap."""
+    ``schedules.simulate``), so the simulator runs on at most 2 x pp micro-batches and large m stays cheap.
+    ``ModelShape.pipeline`` caches it for a planning run."""
     if pp == 1:
         return PipelineShape(0.0, (1,), 0)
     vpp = vpp if (vpp or 1) > 1 else None

@@ -92,8 +92,8 @@ def step_time(model: ModelShape, c: Candidate, s: Settings, gpu: GPU) -> StepTim
     bubble = 0.0
     if c.pp > 1:  # each exchange synchronises, then waits for the host to launch the next op
         p2p = T / c.tp * cfg.hidden_size * BF16 / _link(gpu, c.gpus)
-        exchanges = c.pipeline.exchanges * (K.PP_EXCHANGE_S + p2p)
-        bubble = (work + exchanges) / (1 - c.pipeline.bubble) - work
+        exchanges = c.pipeline(model).exchanges * (K.PP_EXCHANGE_S + p2p)
+        bubble = (work + exchanges) / (1 - c.pipeline(model).bubble) - work
     parts = {"compute": c.m * compute, "all-to-all": c.m * a2a, "TP/CP collectives": c.m * tp_cp,
              "bubble": bubble, "optimizer": optimizer_time(s, gpu, c, dense, expert, busy)}
     return StepTime(sum(parts.values()), parts)

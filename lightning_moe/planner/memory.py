@@ -3,7 +3,6 @@ parameter, plus the activations of the micro-batches in flight and the loss's lo
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 from lightning_moe.planner.activations import dispatch_bytes, loss_bytes
@@ -11,7 +10,6 @@ from lightning_moe.planner.candidate import Candidate
 from lightning_moe.planner.kernels import WORKSPACE_GIB
 from lightning_moe.planner.settings import Settings
 from lightning_moe.planner.shape import ModelShape
-from lightning_moe.strategy.memory import optimizer_bytes_per_param
 
 GIB = 2 ** 30
 
@@ -28,9 +26,8 @@ class Memory(NamedTuple):
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-@lru_cache(maxsize=4096)
-def _per_param(settings: Settings, shard: int) -> dict[str, float]:
-    return optimizer_bytes_per_param(
+def _per_param(model: ModelShape, settings: Settings, shard: int) -> dict[str, float]:
+    return model.bytes_per_param(
         settings.weight_bytes, fp32_main_params=settings.fp32_main_params if settings.precision == "bf16-true" else
         False, exp_avg_dtype=settings.moments_dtype, exp_avg_sq_dtype=settings.moments_dtype,
         distributed_optimizer=settings.distributed_optimizer, optimizer_cpu_offload=settings.optimizer_cpu_offload,
@@ -40,7 +37,7 @@ def _per_param(settings: Settings, shard: int) -> dict[str, float]:
 def states(model: ModelShape, c: Candidate, settings: Settings, rank: int) -> Memory:
     """Weights, gradients and optimizer state of pipeline rank ``rank`` (no activations)."""
     dense, expert = c.rank_params(model, rank)
-    parts = [(dense, _per_param(settings, c.dp * c.cp)), (expert, _per_param(settings, c.edp))]
+    parts = [(dense, _per_param(model, settings, c.dp * c.cp)), (expert, _per_param(model, settings, c.edp))]
     w, g, state, main, host = (sum(n * b[k] for n, b in parts) / GIB for k in (
         "weights", "grads", "optimizer_state", "main_params", "host"))
     return Memory(w, g, state + main, 0.0, host)
@@ -54,7 +51,7 @@ def activations(model: ModelShape, c: Candidate, settings: Settings, rank: int) 
     kept = [sum(n * per_kind[moe][0] for moe, n in zip((False, True), k) if n) for k in kinds]
     rebuilt = max((per_kind[moe][1] for k in kinds for moe, n in zip((False, True), k) if n), default=0.0)
     # interleaved: the chunks in flight take turns; count the average chunk
-    act = c.pipeline.in_flight[rank] * sum(kept) / len(kept) + rebuilt
+    act = c.pipeline(model).in_flight[rank] * sum(kept) / len(kept) + rebuilt
     if rank == c.pp - 1:
         act += loss_bytes(model.cfg, c.tp)
     if c.ep * c.etp > 1 and any(k[1] for k in kinds):

@@ -1,5 +1,6 @@
 """A model at one sequence length, as the planner sees it: per layer kind (dense or MoE), since layers of one kind
-cost the same. Caches its per-kind numbers for one planning run (no state outlives it)."""
+cost the same. It also holds the caches of one planning run (the search asks the same questions for thousands of
+layouts); nothing is cached beyond the run."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import NamedTuple, Optional
 from lightning_moe.flops import layer_flops_per_token
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.planner.activations import layer_bytes, layer_terms
+from lightning_moe.planner.candidate import pipeline_shape
 from lightning_moe.planner.params import Params, embedding_params, head_params, layer_params
 from lightning_moe.planner.settings import Settings
+from lightning_moe.strategy.memory import optimizer_bytes_per_param
 from lightning_moe.strategy.pipeline.partition import local_stages, partition_layers
 
 
@@ -19,7 +22,6 @@ class RankLayers(NamedTuple):
     params: Params
 
 
-@lru_cache(maxsize=1024)
 def _stages(num_layers: int, pp: int, vpp: Optional[int], first: Optional[int], last: Optional[int]) -> list:
     """Per pipeline rank, the layer ranges of its model chunks."""
     ranges = partition_layers(num_layers, pp, vpp, first, last)
@@ -34,11 +36,12 @@ class ModelShape:
         index = {moe: self.is_moe.index(moe) for moe in (False, True) if moe in self.is_moe}
         self.params = {moe: layer_params(cfg, i) for moe, i in index.items()}
         self._index = index
-        # per-instance caches: the search asks the same questions for thousands of layouts
         self.terms = lru_cache(maxsize=None)(self._terms)
         self.kept = lru_cache(maxsize=None)(self._kept)
         self.ranks = lru_cache(maxsize=None)(self._ranks)
         self.peak_ranks = lru_cache(maxsize=None)(self._peak_ranks)
+        self.pipeline = lru_cache(maxsize=None)(pipeline_shape)
+        self.bytes_per_param = lru_cache(maxsize=None)(optimizer_bytes_per_param)
 
     def kinds(self, layers: range) -> tuple[int, int]:
         """(dense, MoE) layers in ``layers``."""
