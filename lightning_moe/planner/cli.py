@@ -44,12 +44,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], dict]:
-    """``--model.overrides.NAME VALUE`` / ``--model.overrides.NAME=VALUE`` pulled out of ``argv`` (values as text:
-    ModelConfig reads them as YAML, as the fit CLI does)."""
+    """``--model.overrides.NAME VALUE`` / ``--model.overrides.NAME=VALUE`` / ``--model.overrides MAPPING`` pulled out
+    of ``argv`` (values as text: ModelConfig reads them as YAML, as the fit CLI does)."""
     rest, overrides, i = [], {}, 0
     while i < len(argv):
         arg = argv[i]
-        if arg.startswith(OVERRIDE):
+        if arg.split("=")[0] == OVERRIDE[:-1]:  # --model.overrides '{num_layers: 4}': a YAML mapping
+            value, i = (arg.partition("=")[2], i) if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "", i + 1)
+            mapping = yaml.safe_load(value)
+            if not isinstance(mapping, dict):
+                raise PlanError(f"--model.overrides needs a mapping such as '{{num_layers: 4}}', got {value!r}")
+            overrides.update(mapping)
+        elif arg.startswith(OVERRIDE):
             name, eq, value = arg[len(OVERRIDE):].partition("=")
             if not eq:
                 if i + 1 >= len(argv):

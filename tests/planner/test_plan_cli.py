@@ -45,9 +45,9 @@ def test_json_from_a_fit_config_is_ranked_and_fits(capsys):
 
 
 def test_table_and_python_api_agree(capsys):
-    code, out, _ = _run(capsys, "--model.preset", "qwen3-30b-a3b", "--model.overrides.num_layers", "4",
-                        "--model.overrides.vocab_size=32768", "--gpus", "4", "--gpu", "h200-141gb",
-                        "--global-batch-size", "32", "--top", "3")
+    code, out, _ = _run(capsys, "--model.preset", "qwen3-30b-a3b", "--model.overrides", "{num_layers: 3}",
+                        "--model.overrides.num_layers", "4", "--model.overrides.vocab_size=32768", "--gpus", "4",
+                        "--gpu", "h200-141gb", "--global-batch-size", "32", "--top", "3")
     best = lightning_moe.plan("qwen3-30b-a3b", {"num_layers": 4, "vocab_size": 32768}, gpus=4, gpu="h200-141gb",
                               global_batch_size=32, top=3)
     lines = out.splitlines()
@@ -98,7 +98,10 @@ def test_written_config_parses_with_the_fit_parser(capsys, tmp_path, monkeypatch
      "the activations need 124.4 GiB where 65.1 GiB remain, 59.4 GiB too many"),
     (["--model.preset", "tiny", "--model.overrides.num_layerz", "3", "--gpus", "1"],
      "unknown fields 'num_layerz' (did you mean 'num_layers'?)"),
-], ids=["unknown-gpu", "no-layout", "zero-gpus", "weights-fit-nowhere", "activations-fit-nowhere", "bad-field"])
+    (["--model.preset", "tiny", "--model.overrides", "4", "--gpus", "1"],
+     "--model.overrides needs a mapping such as '{num_layers: 4}', got '4'"),
+], ids=["unknown-gpu", "no-layout", "zero-gpus", "weights-fit-nowhere", "activations-fit-nowhere", "bad-field",
+        "bad-overrides"])
 def test_bad_input_exits_non_zero_with_the_reason(capsys, args, message):
     code, out, err = _run(capsys, *args)
     assert code == 2 and out == "" and message in err, err
