@@ -14,6 +14,7 @@ from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.dispatcher import DispatchState, TokenDispatcher
 from lightning_moe.modules.lm import MoELanguageModel
 from lightning_moe.modules.transformer import MoETransformer
+from lightning_moe.planner import plan
 from lightning_moe.strategy import Layout, MoEFoldStrategy, ParallelContext, build_layout
 from lightning_moe.tokenize_documents import tokenize_documents
 
@@ -22,6 +23,6 @@ __all__ = [
     "FP8Training", "Layout", "LossReport",
     "ModelConfig", "MoEFoldStrategy", "MoELanguageModel", "MoEThroughput", "MoETransformer", "NVFP4Training",
     "ParallelContext",
-    "peak_flops", "Recompute", "TokenDataModule", "TokenDispatcher", "tokenize_documents", "training_flops_per_token"
+    "peak_flops", "plan", "Recompute", "TokenDataModule", "TokenDispatcher", "tokenize_documents", "training_flops_per_token"
 ]
 __version__ = "0.1.0"

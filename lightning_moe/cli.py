@@ -3,6 +3,7 @@
     lightning-moe fit --config configs/tiny.yaml
     lightning-moe fit --config configs/tiny.yaml --model.init_from_hf /path/to/hf_model
     lightning-moe export-hf checkpoints/last.ckpt exported_hf/      # any layout's checkpoint, on one process
+    lightning-moe plan --model.preset qwen3-30b-a3b --gpus 64 --gpu h100-80gb   # rank the folded layouts
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def main(args=None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["export-hf"]:
         export_hf_main(argv[1:])
+        return
+    if argv[:1] == ["plan"]:
+        from lightning_moe.planner.cli import main as plan_main
+        status = plan_main(argv[1:])
+        if status:
+            raise SystemExit(status)
         return
     build_cli(args)
 

@@ -62,24 +62,29 @@ def _attention_flops_per_token_per_layer(cfg: ModelConfig, s: int) -> float:
     return FWD_BWD * FLOPS_PER_MAC * (proj + core)
 
 
+def layer_flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> dict[str, float]:
+    """The terms of the formula, per token: ``attention_proj`` and ``core_attention`` of one layer, ``dense_mlp`` of
+    one dense layer, ``experts`` (routed, all k copies) and ``shared_experts`` of one MoE layer, ``logits`` once.
+    The layout planner times each on its own kernel's throughput."""
+    s = cfg.seq_length if seq_length is None else seq_length
+    if s <= 0:
+        raise ValueError(f"training_flops_per_token: seq_length must be positive, got {s}")
+    h, g, mac = cfg.hidden_size, SWIGLU_FACTOR, FWD_BWD * FLOPS_PER_MAC
+    proj = _attention_flops_per_token_per_layer(cfg, 0)  # the core-attention term is the part linear in s
+    return {"attention_proj": proj, "core_attention": _attention_flops_per_token_per_layer(cfg, s) - proj,
+            "dense_mlp": mac * h * g * cfg.ffn_hidden_size, "experts": mac * h * g * cfg.moe_ffn_hidden_size * cfg.topk,
+            "shared_experts": mac * h * g * cfg.shared_expert_ffn_size, "logits": mac * h * cfg.vocab_size}
+
+
 def training_flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> float:
     """Forward + backward model FLOPs per token (Megatron's formula; see the module docstring).
 
     ``seq_length`` defaults to ``cfg.seq_length``; it only enters the causal core-attention term.
     """
-    s = cfg.seq_length if seq_length is None else seq_length
-    if s <= 0:
-        raise ValueError(f"training_flops_per_token: seq_length must be positive, got {s}")
-    h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
-    L_moe = cfg.num_moe_layers
-    L_dense = L - L_moe
-    g = SWIGLU_FACTOR
-    mlp = FWD_BWD * FLOPS_PER_MAC * h * g * (
-        cfg.ffn_hidden_size * L_dense
-        + (cfg.moe_ffn_hidden_size * cfg.topk + cfg.shared_expert_ffn_size) * L_moe)
-    attention = L * _attention_flops_per_token_per_layer(cfg, s)
-    logits = FWD_BWD * FLOPS_PER_MAC * h * V
-    return float(mlp + attention + logits)
+    t = layer_flops_per_token(cfg, seq_length)
+    L, L_moe = cfg.num_layers, cfg.num_moe_layers
+    return float(L * (t["attention_proj"] + t["core_attention"]) + (L - L_moe) * t["dense_mlp"]
+                 + L_moe * (t["experts"] + t["shared_experts"]) + t["logits"])
 
 
 def model_flops_per_step(cfg: ModelConfig, tokens: int, seq_length: Optional[int] = None) -> float:

@@ -132,16 +132,10 @@ class Layout:
             )
 
 
-def build_layout(
-    world_size: int,
-    tp: int = 1,
-    cp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    etp: int = 1,
-    vpp: Optional[int] = None,
-) -> Layout:
-    """Validate the requested sizes and compute every group of both folded layouts."""
+def check_sizes(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+                vpp: Optional[int] = None) -> tuple[int, int]:
+    """Validate the requested sizes without building any group (cheap enough for a planner's search); returns
+    ``(dp, edp)``. Raises ``ValueError`` naming the numbers."""
     requested = f"world_size={world_size}, tp={tp}, cp={cp}, pp={pp}, ep={ep}, etp={etp}, vpp={vpp}"
     sizes = {"world_size": world_size, "tp": tp, "cp": cp, "pp": pp, "ep": ep, "etp": etp}
     for name, value in sizes.items():
@@ -162,8 +156,21 @@ def build_layout(
             f"world_size={world_size} is not divisible by etp*ep*pp = {etp * ep * pp} "
             f"(etp={etp}, ep={ep}, pp={pp}; requested: {requested})"
         )
-    dp = world_size // (tp * cp * pp)
-    edp = world_size // (etp * ep * pp)
+    return world_size // (tp * cp * pp), world_size // (etp * ep * pp)
+
+
+def build_layout(
+    world_size: int,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    vpp: Optional[int] = None,
+) -> Layout:
+    """Validate the requested sizes and compute every group of both folded layouts."""
+    requested = f"world_size={world_size}, tp={tp}, cp={cp}, pp={pp}, ep={ep}, etp={etp}, vpp={vpp}"
+    dp, edp = check_sizes(world_size, tp, cp, pp, ep, etp, vpp)
     axes = {
         ATTENTION_ORDER: (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)),
         MOE_ORDER: (("etp", etp), ("ep", ep), ("edp", edp), ("pp", pp)),
