@@ -102,7 +102,7 @@ def _resort_kernel(counts_ptr, dest_ptr, sizes_ptr, M, S, L, ALIGN: tl.constexpr
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
-BLOCK_N = 1024
+BLOCK_N = 512  # keys a program ranks: ~256 programs at 131K copies; each re-reads the earlier blocks' counts
 MAX_KEYS = 1024  # experts (+ the sentinel) in one register row; more and the reference runs
 MAX_BLOCKS = 16384  # (sources x local experts) padded, for the receiver's re-sort
 

@@ -35,11 +35,26 @@ def _softmax_lse(l):
 
 
 @triton.jit
-def _load_logits(logits_ptr, rows, cols, T, E):
+def _block_ranges(pid, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """This program's token rows, the expert columns and the top-k slots."""
+    return pid * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, E_PAD), tl.arange(0, K_PAD)
+
+
+@triton.jit
+def _row_scores(logits_ptr, rows, cols, T, E, NEED_S: tl.constexpr, NEED_SM: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """(logits, sigmoid, softmax, logsumexp) of a block of rows; a score the mode does not need is a placeholder
+    that the caller never reads (and the compiler drops)."""
     rmask, cmask = rows < T, cols < E
     l = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :],
                 mask=rmask[:, None] & cmask[None, :], other=0.0)
-    return tl.where(cmask[None, :], l, NEG)  # padding columns never win and weigh 0 in every softmax
+    l = tl.where(cmask[None, :], l, NEG)  # padding columns never win and weigh 0 in every softmax
+    s, sm, lse = l, l, tl.zeros((BLOCK_T,), tl.float32)
+    if NEED_S:
+        s = tl.where(cmask[None, :], tl.sigmoid(l), 0.0)
+    if NEED_SM:
+        sm, lse = _softmax_lse(l)
+    return l, s, sm, lse
 
 
 @triton.jit
@@ -64,15 +79,10 @@ def _router_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, experts_ptr, tpe_ptr, zp
                        HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, HAS_Z: tl.constexpr, AUX: tl.constexpr,
                        AUX_TOPK: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    kcols = tl.arange(0, K_PAD)
+    rows, cols, kcols = _block_ranges(pid, BLOCK_T, E_PAD, K_PAD)
     rmask, cmask, kmask = rows < T, cols < E, kcols < K
-    l = _load_logits(logits_ptr, rows, cols, T, E)
-    if SCORE == 2 or AUX == 2:
-        s = tl.where(cmask[None, :], tl.sigmoid(l), 0.0)
-    if SCORE == 1 or AUX == 1 or HAS_Z:
-        sm, lse = _softmax_lse(l)
+    l, s, sm, lse = _row_scores(logits_ptr, rows, cols, T, E, SCORE == 2 or AUX == 2,
+                                SCORE == 1 or AUX == 1 or HAS_Z, BLOCK_T)
 
     # selection scores: what top-k ranks (post-softmax ranks logits: the softmax is monotonic)
     if SCORE == 0:
@@ -157,15 +167,10 @@ def _router_bwd_kernel(logits_ptr, experts_ptr, gprobs_ptr, gz_ptr, gs_ptr, glog
                        SCORE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GP: tl.constexpr, HAS_GZ: tl.constexpr,
                        AUX: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    kcols = tl.arange(0, K_PAD)
+    rows, cols, kcols = _block_ranges(pid, BLOCK_T, E_PAD, K_PAD)
     rmask, cmask, kmask = rows < T, cols < E, kcols < K
-    l = _load_logits(logits_ptr, rows, cols, T, E)
-    if SCORE == 2 or AUX == 2:
-        s = tl.where(cmask[None, :], tl.sigmoid(l), 0.0)
-    if SCORE == 1 or AUX == 1 or HAS_GZ:
-        sm, lse = _softmax_lse(l)
+    l, s, sm, lse = _row_scores(logits_ptr, rows, cols, T, E, SCORE == 2 or AUX == 2,
+                                SCORE == 1 or AUX == 1 or HAS_GZ, BLOCK_T)
     # gradients with respect to the logits (g_l), the softmax scores (g_sm) and the sigmoid scores (g_s): the
     # softmax and sigmoid backward run once at the end for every term that reaches them
     g_l = tl.zeros((BLOCK_T, E_PAD), tl.float32)

@@ -55,7 +55,8 @@ def test_router(kw, T, E):
 
 @inside
 @pytest.mark.parametrize("N,E,div,align,stride,drop", [(300, 8, 2, 1, 0, 0.0), (2100, 5, 3, 1, 0, 0.2),
-                                                       (300, 8, 1, 16, 0, 0.1), (257, 6, 1, 1, 40, 0.3)])
+                                                       (300, 8, 1, 16, 0, 0.1), (257, 6, 1, 1, 40, 0.3),
+                                                       (9000, 4, 2, 8, 0, 0.1)])  # > 16 blocks of keys
 def test_expert_order(N, E, div, align, stride, drop):
     from tests.modules.fused_cases import check_expert_order
     check_expert_order("cpu", N, E, div, align, stride, drop)
