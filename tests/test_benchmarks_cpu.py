@@ -185,3 +185,14 @@ def test_fp8_convergence_smoke():
         assert len(r["losses"]) == 4 and all(_positive(v) for v in r["losses"])
         assert r["vs_bf16"] == pytest.approx(r["final_loss"] / runs["bf16"]["final_loss"] - 1)
     assert runs["fp8-rowwise"]["losses"] != runs["bf16"]["losses"]  # FP8 changed the numbers
+
+
+def test_bench_router_smoke():
+    res = _run("bench_router.py", "--iters", "2", "--warmup", "1")
+    assert res["benchmark"] == "bench_router"
+    _check_env(res)
+    assert list(res["results"]) == ["qwen3", "olmoe", "mixtral", "deepseek-v3"]
+    for row in res["results"].values():
+        for bench in ("router", "permute", "permute_fp8", "resort"):
+            assert _positive(row[bench]["fused_ms"]) and _positive(row[bench]["unfused_ms"])
+            assert _positive(row[bench]["ratio"])

@@ -19,8 +19,10 @@ OVR = dict(seq_length=256, hidden_size=256, num_layers=2, num_attention_heads=4,
     dict(score_function="sigmoid", expert_bias=True, load_balancing="seq_aux_loss", num_groups=4, group_topk=2,
          shared_expert_ffn_size=256, first_k_dense=1),
     dict(capacity_factor=1.0, pad_to_capacity=True),
-    dict(compile_router=True, load_balancing="seq_aux_loss"),
-], ids=["softmax_aux", "global_aux", "dsv3_like", "padded_capacity", "compiled_router"])
+    dict(compile_router=True, router_fusion=False, load_balancing="seq_aux_loss"),
+    dict(router_fusion=False, permute_fusion=False),
+    dict(expert_rows_align=16, capacity_factor=1.0),
+], ids=["softmax_aux", "global_aux", "dsv3_like", "padded_capacity", "compiled_router", "unfused", "fp8_aligned"])
 def test_training_step_has_no_host_sync(extra):
     from lightning_moe.modules.lm import MoELanguageModel
     from lightning_moe.strategy.grad_sync import clip_grad_norm_global_
@@ -134,7 +136,8 @@ def test_compiled_router_matches_eager(extra):
     from lightning_moe.modules.router import TopKRouter
     outs = []
     for compiled in (False, True):
-        cfg = ModelConfig(hidden_size=256, num_experts=8, topk=2, z_loss_coeff=1e-3, compile_router=compiled, **extra)
+        cfg = ModelConfig(hidden_size=256, num_experts=8, topk=2, z_loss_coeff=1e-3, compile_router=compiled,
+                          router_fusion=False, **extra)  # the compiled reference (the fused one: test_gpu_fused.py)
         router = TopKRouter(cfg).cuda()
         init_weights(router, 3)
         x = torch.randn(4 * 128, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))

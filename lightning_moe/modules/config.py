@@ -72,6 +72,13 @@ class ModelConfig:
     # Megatron's --moe-shared-expert-overlap: shared experts on a side CUDA stream while the router, the dispatch and
     # the routed experts run (their backward follows them there); in order on CPU
     shared_expert_overlap: bool = False
+    # Triton kernels on CUDA (Megatron's --moe-router-fusion / --moe-permute-fusion); the torch code is the reference
+    # and the CPU path. router_fusion wins over compile_router, which then compiles only the reference's fallbacks.
+    router_fusion: bool = True  # scores, top-k, gates, counts, loss partial sums: modules/fused_router.py
+    permute_fusion: bool = True  # expert order by count + prefix sum, no argsort: modules/expert_order.py
+    # each expert's rows in the experts' input start on a multiple of this (zero rows between): 16 lets FP8 grouped
+    # GEMMs use the layout as it is (Megatron's --moe-router-padding-for-fp8); 1: no padding
+    expert_rows_align: int = 1
 
     extra: dict = field(default_factory=dict)  # free-form notes carried by presets
 
@@ -148,6 +155,8 @@ class ModelConfig:
             raise bad("topk", f"topk={self.topk} exceeds num_experts={self.num_experts}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise bad("capacity_factor", f"must be > 0 or None (dropless), got {self.capacity_factor}")
+        if self.expert_rows_align < 1:
+            raise bad("expert_rows_align", f"must be >= 1, got {self.expert_rows_align}")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise bad("pad_to_capacity", "needs capacity_factor to be set")
         if self.topk == 1 and self.score_function == "softmax" and not self.pre_softmax:

@@ -21,6 +21,7 @@ import torch
 
 from lightning_moe.modules.dispatcher import DispatchState
 from lightning_moe.modules.dispatchers import AllToAllDedupDispatcher
+from lightning_moe.modules.expert_order import expert_order
 from lightning_moe.modules.permute import combine_rows, gather_tokens
 
 
@@ -139,23 +140,20 @@ class DeepEPDispatcher(AllToAllDedupDispatcher):
             return super().dispatch_postprocess(x_rD, st)
         # sync-free: every slot keeps a row (static R*K rows); this rank's slots first in local-expert order, the rest
         # (other ranks' slots, padding rows past the received count, which DeepEP marks -1) form the unused tail
-        L, slots_rK = self.num_local_experts, st.extra["slots_rK"]
+        L, slots_rK, align = self.num_local_experts, st.extra["slots_rK"], self.cfg.expert_rows_align
         R, K = slots_rK.shape
         mine_rK = slots_rK >= 0
-        key_N = torch.where(mine_rK, slots_rK, L).reshape(-1)
-        counts_L = torch.zeros(L + 1, device=x_rD.device, dtype=torch.int64).scatter_add_(
-            0, key_N, torch.ones_like(key_N))[:L]
-        order_N = torch.argsort(key_N, stable=True)
-        rows_rK = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(R * K, device=x_rD.device)).view(R, K)
+        o = expert_order(torch.where(mine_rK, slots_rK, L).reshape(-1), L, div=K, align=align, fused=self.fused)
+        rows_rK = o.rows_N.view(R, K)  # every slot has a row; masked ones are never read back
         st.extra.update(rows_rK=rows_rK, mine_rK=mine_rK)
         st.has_tail = True
-        return gather_tokens(x_rD, order_N // K, rows_rK, mine_rK), counts_L
+        return gather_tokens(x_rD, o.src_R, rows_rK, mine_rK, zero_row=align > 1, fused=self.fused), o.sizes_E
 
     def combine_preprocess(self, y_ND, st):
         if not st.extra.get("deepep"):
             return super().combine_preprocess(y_ND, st)
         e = st.extra  # one partial output per received token: its local slots weighted by their probabilities
-        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"], permutation=False)
+        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"], permutation=False, fused=self.fused)
 
     def token_combine(self, y_rD, st):
         if not st.extra.get("deepep"):

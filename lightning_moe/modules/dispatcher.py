@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.expert_order import expert_order
 from lightning_moe.modules.permute import combine_rows, gather_tokens
 from lightning_moe.modules.router import expert_capacity
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -58,42 +59,44 @@ class TokenDispatcher:
         self.num_local_experts = cfg.num_experts // ctx.ep
         self.local_expert_offset = ctx.rank("ep") * self.num_local_experts
         self.pad_to_capacity = cfg.pad_to_capacity
+        self.fused = cfg.permute_fusion  # Triton permutes where they run (CUDA); the torch reference elsewhere
 
     # ------------------------------------------------------------------ local steps
     def dispatch_preprocess(self, x_TD: torch.Tensor, route) -> tuple[torch.Tensor, DispatchState]:
-        """Permute token copies into global-expert order (stable: token order within each expert)."""
+        """Permute token copies into global-expert order (stable: token order within each expert), by count and
+        prefix sum (expert_order.py)."""
         T, K, E = x_TD.shape[0], self.topk, self.num_experts
         experts_N = route.experts_TK.reshape(-1)
         if route.keep_TK is not None:
-            experts_N = torch.where(route.keep_TK.reshape(-1), experts_N, E)  # dropped -> sentinel, sorted last
-        counts_E = torch.zeros(E + 1, device=x_TD.device, dtype=torch.int64)
-        counts_E = counts_E.scatter_add_(0, experts_N, torch.ones_like(experts_N))[:E]
-        order_N = torch.argsort(experts_N, stable=True)
-        rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(T * K, device=x_TD.device))
+            experts_N = torch.where(route.keep_TK.reshape(-1), experts_N, E)  # dropped -> sentinel, after the rest
+        align = self.cfg.expert_rows_align if self.experts_read_preprocess() else 1
         if not self.pad_to_capacity:
-            st = DispatchState(T, rank_N.view(T, K), route.probs_TK, route.keep_TK, counts_E,
+            o = expert_order(experts_N, E, div=K, align=align, fused=self.fused)
+            st = DispatchState(T, o.rows_N.view(T, K), route.probs_TK, route.keep_TK, o.counts_E,
                                has_tail=route.keep_TK is not None)
-            return gather_tokens(x_TD, order_N // K, st.rows_TK, route.keep_TK), st
-        # pad to capacity: expert e owns rows [e*C, (e+1)*C); empty slots read a zero row, dropped copies read none
-        C = expert_capacity(T, E, K, self.cfg.capacity_factor)
-        starts_E = counts_E.cumsum(0) - counts_E
-        pos_N = rank_N - starts_E[experts_N.clamp(max=E - 1)]
-        kept_N = experts_N < E
-        slot_N = torch.where(kept_N, experts_N.clamp(max=E - 1) * C + pos_N, E * C)
-        token_N = torch.arange(T * K, device=x_TD.device) // K
-        src_S = torch.full((E * C + 1,), T, device=x_TD.device, dtype=torch.int64).scatter_(0, slot_N, token_N)
-        st = DispatchState(T, slot_N.view(T, K), route.probs_TK, route.keep_TK, torch.full_like(counts_E, C))
-        return gather_tokens(x_TD, src_S[: E * C], st.rows_TK, route.keep_TK, zero_row=True), st
+            st.extra.update(sizes_E=o.sizes_E, holes=align > 1)
+            return gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=align > 1, fused=self.fused), st
+        # pad to capacity: expert e owns rows [e*C, (e+1)*C); empty slots are zero rows, dropped copies read none
+        C = -(-expert_capacity(T, E, K, self.cfg.capacity_factor) // align) * align
+        o = expert_order(experts_N, E, div=K, stride=C, fused=self.fused)
+        st = DispatchState(T, o.rows_N.view(T, K), route.probs_TK, route.keep_TK, torch.full_like(o.counts_E, C))
+        st.extra.update(holes=True)
+        return gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=True, fused=self.fused), st
+
+    def experts_read_preprocess(self) -> bool:
+        """Whether dispatch_preprocess's layout is the experts' input (nothing re-sorts it): the place to pad."""
+        return True
 
     def dispatch_postprocess(self, x_MD: torch.Tensor, st: DispatchState) -> tuple[torch.Tensor, torch.Tensor]:
-        return x_MD, st.tokens_per_expert_E
+        return x_MD, st.extra.get("sizes_E", st.tokens_per_expert_E)
 
     def combine_preprocess(self, y_MD: torch.Tensor, st: DispatchState) -> torch.Tensor:
         return y_MD
 
     def combine_postprocess(self, y_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:
         """Gather each assignment's expert output and sum over top-k weighted by the router probabilities."""
-        return combine_rows(y_ND, st.probs_TK, st.rows_TK, st.keep_TK, permutation=not self.pad_to_capacity)
+        return combine_rows(y_ND, st.probs_TK, st.rows_TK, st.keep_TK, permutation=not st.extra["holes"],
+                            fused=self.fused)
 
     # ------------------------------------------------------------------ communication steps
     def token_dispatch(self, x_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:

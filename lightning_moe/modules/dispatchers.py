@@ -16,7 +16,8 @@ import torch
 
 from lightning_moe.modules.dispatcher import DispatchState, TokenDispatcher
 from lightning_moe.modules.fp8_dispatch import fp8_all_to_all
-from lightning_moe.modules.permute import combine_rows, gather_tokens, permute_rows
+from lightning_moe.modules.expert_order import expert_order, resort_by_expert
+from lightning_moe.modules.permute import combine_rows, gather_tokens, move_rows, take_rows
 from lightning_moe.strategy import comm
 
 
@@ -61,20 +62,20 @@ class AllToAllDispatcher(TokenDispatcher):
     def dispatch_postprocess(self, x_MD, st):
         if "send" not in st.extra:
             return x_MD, st.tokens_per_expert_E
-        # rows arrive grouped by (source, local expert); the experts want them grouped by local expert
-        L, counts_SL = self.num_local_experts, st.extra["recv_SL"]  # on the device already: no host copy
-        expert_of_row = torch.repeat_interleave(torch.arange(L, device=x_MD.device).repeat(counts_SL.shape[0]),
-                                                counts_SL.flatten(),
-                                                output_size=x_MD.shape[0])
-        order_M = torch.argsort(expert_of_row, stable=True)
-        inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=x_MD.device))
-        st.extra.update(order_M=order_M, inverse_M=inverse_M)
-        return permute_rows(x_MD, order_M, inverse_M), counts_SL.sum(0)
+        # rows arrive grouped by (source, local expert); the experts want them grouped by local expert, which the
+        # counts alone give (on the device already: no host copy, no argsort)
+        dest_M, sizes_L, R = resort_by_expert(st.extra["recv_SL"], x_MD.shape[0], self.cfg.expert_rows_align,
+                                              self.fused)
+        st.extra.update(dest_M=dest_M)
+        return move_rows(x_MD, dest_M, R), sizes_L
+
+    def experts_read_preprocess(self) -> bool:
+        return self.ctx.ep == 1 and self.ctx.etp == 1  # else dispatch_postprocess re-sorts (and pads) what arrives
 
     def combine_preprocess(self, y_MD, st):
         if "send" not in st.extra:
             return y_MD
-        return permute_rows(y_MD, st.extra["inverse_M"], st.extra["order_M"])
+        return take_rows(y_MD, st.extra["dest_M"])
 
     def token_combine(self, y_MD, st):
         if "send" not in st.extra:
@@ -106,16 +107,16 @@ class AllGatherDispatcher(TokenDispatcher):
         local_PTK = st.extra["experts"] - self.local_expert_offset
         mine_PTK = (local_PTK >= 0) & (local_PTK < L) & st.extra["keep"]
         key_N = torch.where(mine_PTK, local_PTK, L).reshape(-1)
-        counts_L = torch.zeros(L + 1, device=x_PTD.device, dtype=torch.int64).scatter_add_(
-            0, key_N, torch.ones_like(key_N))[:L]
-        order_N = torch.argsort(key_N, stable=True)
-        rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(len(order_N), device=x_PTD.device))
-        st.extra.update(mine=mine_PTK, rows=rank_N.view(mine_PTK.shape))
+        align = self.cfg.expert_rows_align
+        o = expert_order(key_N, L, div=K, align=align, fused=self.fused)
+        st.extra.update(mine=mine_PTK, rows=o.rows_N.view(mine_PTK.shape), holes=align > 1)
         st.has_tail = True
-        return gather_tokens(x_PTD, order_N // K, st.extra["rows"], mine_PTK), counts_L
+        return gather_tokens(x_PTD, o.src_R, st.extra["rows"], mine_PTK, zero_row=align > 1,
+                             fused=self.fused), o.sizes_E
 
     def combine_preprocess(self, y_ND, st):
-        return combine_rows(y_ND, st.extra["probs"], st.extra["rows"], st.extra["mine"])
+        return combine_rows(y_ND, st.extra["probs"], st.extra["rows"], st.extra["mine"],
+                            permutation=not st.extra["holes"], fused=self.fused)
 
     def token_combine(self, y_PTD, st):
         return comm.reduce_scatter(y_PTD, self.ctx.group("etp_ep"))
@@ -153,18 +154,17 @@ class AllToAllDedupDispatcher(TokenDispatcher):
         local_slots = sum(recv_JP2_host[1::2])  # slots for this rank's experts, over every source of the group
         n = sum(send)
         # rows in (destination, token) order; rows_TP[t, p] = row of pair (t, p), or the spare index n if absent
-        key_PT = torch.where(pair_TP.t(), torch.arange(ep * T, device=x_TD.device).view(ep, T), ep * T)
-        perm = torch.argsort(key_PT.flatten())
-        inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(ep * T, device=x_TD.device))
-        rows_TP = torch.where(pair_TP, inverse.view(ep, T).t(), n)
-        order_n = perm[:n]
+        key_X = torch.where(pair_TP.t(), torch.arange(ep, device=x_TD.device).unsqueeze(1), ep).flatten()
+        o = expert_order(key_X, ep, fused=self.fused)  # pairs grouped by destination, token order within
+        rows_TP = torch.where(pair_TP, o.rows_N.view(ep, T).t(), n)
+        order_n = o.src_R[:n]
         dest_n, tok_n = order_n // T, order_n % T
         on_dest_nK = (dest_TK[tok_n] == dest_n.unsqueeze(1)) & keep_TK[tok_n]
         slots_nK = torch.where(on_dest_nK, route.experts_TK[tok_n] - dest_n.unsqueeze(1) * L, -1)
         st = DispatchState(T, rows_TP, route.probs_TK, pair_TP, route.tokens_per_expert_E)
         st.extra.update(dedup=True, send=send, recv_JP=recv_JP_host, n=n, slots=slots_nK, local_slots=local_slots,
                         probs=route.probs_TK.index_select(0, tok_n))
-        return gather_tokens(x_TD, tok_n, rows_TP, pair_TP), st
+        return gather_tokens(x_TD, tok_n, rows_TP, pair_TP, fused=self.fused), st
 
     def token_dispatch(self, x_nD, st):
         if not st.extra.get("dedup"):
@@ -187,21 +187,20 @@ class AllToAllDedupDispatcher(TokenDispatcher):
         R, K = slots_rK.shape
         mine_rK = slots_rK >= 0
         key_N = torch.where(mine_rK, slots_rK, L).reshape(-1)
-        counts_L = torch.zeros(L + 1, device=x_rD.device, dtype=torch.int64).scatter_add_(
-            0, key_N, torch.ones_like(key_N))[:L]
-        order_N = torch.argsort(key_N, stable=True)
-        rank_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(R * K, device=x_rD.device))
-        rows_rK = torch.where(mine_rK, rank_N.view(R, K), M)  # other ranks' slots point at the spare row M
+        align = self.cfg.expert_rows_align
+        o = expert_order(key_N, L, div=K, align=align, fused=self.fused)
+        M += L * (align - 1)  # room for every expert's padding; the other ranks' slots sort after it
+        rows_rK = torch.where(mine_rK, o.rows_N.view(R, K), M)  # other ranks' slots point at the spare row M
         st.extra.update(rows_rK=rows_rK, mine_rK=mine_rK)
         st.has_tail = False
-        return gather_tokens(x_rD, order_N[:M] // K, rows_rK, mine_rK), counts_L
+        return gather_tokens(x_rD, o.src_R[:M], rows_rK, mine_rK, zero_row=align > 1, fused=self.fused), o.sizes_E
 
     def combine_preprocess(self, y_ND, st):
         if not st.extra.get("dedup"):
             return y_ND
         e = st.extra
         # one partial output per row; rows_rK does not cover M exactly once (spare row M), hence permutation=False
-        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"], permutation=False)
+        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"], permutation=False, fused=self.fused)
 
     def token_combine(self, y_rD, st):
         if not st.extra.get("dedup"):
@@ -215,4 +214,4 @@ class AllToAllDedupDispatcher(TokenDispatcher):
             return super().combine_postprocess(y_nD, st)
         # each token's output is the sum of its (token, rank) partial outputs: weights 1, absent pairs masked
         ones_TP = torch.ones(st.rows_TK.shape, device=y_nD.device, dtype=torch.float32)
-        return combine_rows(y_nD, ones_TP, st.rows_TK, st.keep_TK, permutation=False)
+        return combine_rows(y_nD, ones_TP, st.rows_TK, st.keep_TK, permutation=False, fused=self.fused)

@@ -14,22 +14,25 @@ from typing import Optional
 
 import torch
 
-try:  # fused kernels on CUDA; the torch code below is the reference and the CPU path
-    from lightning_moe.modules import triton_permute as _tk
-except ImportError:  # no triton (CPU-only installs)
-    _tk = None
+from lightning_moe.modules import kernels
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return _tk is not None and t.is_cuda
+def _tk(t: torch.Tensor, fused: bool):
+    """The Triton kernels (``triton_permute.py``) when they run for ``t``; None: the torch code below, which is the
+    reference and the CPU path."""
+    return kernels.load("triton_permute", t, fused)
 
 
 class _GatherTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, src_N, rows_TK, keep_TK, zero_row: bool):
+    def forward(ctx, x_TD, src_N, rows_TK, keep_TK, zero_row: bool, fused: bool):
         ctx.save_for_backward(rows_TK, keep_TK)
-        ctx.n_rows = src_N.numel()
-        if zero_row:  # src_N == T reads a zero row (padded capacity slots nobody fills)
+        ctx.n_rows, ctx.fused = src_N.numel(), fused
+        tk = _tk(x_TD, fused)
+        if tk is not None:  # holes (src -1) are written as zeros
+            return tk.gather(x_TD, src_N)
+        if zero_row:  # src_N == -1 reads a zero row (padded slots nobody fills)
+            src_N = torch.where(src_N < 0, x_TD.shape[0], src_N)
             x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
         return x_TD.index_select(0, src_N)
 
@@ -37,27 +40,30 @@ class _GatherTokens(torch.autograd.Function):
     def backward(ctx, g_ND):
         rows_TK, keep_TK = ctx.saved_tensors
         T, K = rows_TK.shape
-        if _use_triton(g_ND):  # sum of each token's copies in one pass (dropped copies are never read)
-            return _tk.combine_fwd(g_ND, rows_TK, None, keep_TK, g_ND.dtype), None, None, None, None
+        tk = _tk(g_ND, ctx.fused)
+        if tk is not None:  # sum of each token's copies in one pass (dropped copies are never read)
+            return tk.combine_fwd(g_ND, rows_TK, None, keep_TK, g_ND.dtype), None, None, None, None, None
         g_TKD = g_ND.index_select(0, rows_TK.reshape(-1).clamp(max=ctx.n_rows - 1)).view(T, K, -1)
         if keep_TK is not None:
             g_TKD = torch.where(keep_TK.unsqueeze(-1), g_TKD, 0)
-        return g_TKD.sum(1), None, None, None, None
+        return g_TKD.sum(1), None, None, None, None, None
 
 
 def gather_tokens(x_TD: torch.Tensor, src_N: torch.Tensor, rows_TK: torch.Tensor,
-                  keep_TK: Optional[torch.Tensor] = None, zero_row: bool = False) -> torch.Tensor:
-    """``x_TD[src_N]``; the gradient of token t is the sum of the gradients of its (kept) copies."""
-    return _GatherTokens.apply(x_TD, src_N, rows_TK, keep_TK, zero_row)
+                  keep_TK: Optional[torch.Tensor] = None, zero_row: bool = False, fused: bool = True) -> torch.Tensor:
+    """``x_TD[src_N]``; the gradient of token t is the sum of the gradients of its (kept) copies. ``zero_row``:
+    ``src_N`` holds -1 for rows that stay zero (the holes of padded layouts)."""
+    return _GatherTokens.apply(x_TD, src_N, rows_TK, keep_TK, zero_row, fused)
 
 
 class _CombineRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_ND, probs_TK, rows_TK, keep_TK, permutation: bool):
+    def forward(ctx, y_ND, probs_TK, rows_TK, keep_TK, permutation: bool, fused: bool):
         ctx.save_for_backward(y_ND, probs_TK, rows_TK, keep_TK)
-        ctx.permutation = permutation
-        if _use_triton(y_ND):
-            return _tk.combine_fwd(y_ND, rows_TK, probs_TK, keep_TK, y_ND.dtype)
+        ctx.permutation, ctx.fused = permutation, fused
+        tk = _tk(y_ND, fused)
+        if tk is not None:
+            return tk.combine_fwd(y_ND, rows_TK, probs_TK, keep_TK, y_ND.dtype)
         y_TKD = _gather_copies(y_ND, rows_TK, keep_TK)
         return torch.bmm(probs_TK.unsqueeze(1).to(y_ND.dtype), y_TKD).squeeze(1)
 
@@ -66,9 +72,10 @@ class _CombineRows(torch.autograd.Function):
         y_ND, probs_TK, rows_TK, keep_TK = ctx.saved_tensors
         T, K = rows_TK.shape
         N, D = y_ND.shape
-        if _use_triton(y_ND):
-            grad_y, grad_probs = _tk.combine_bwd(g_TD, y_ND, rows_TK, probs_TK, keep_TK, ctx.permutation)
-            return grad_y, grad_probs.to(probs_TK.dtype), None, None, None
+        tk = _tk(y_ND, ctx.fused)
+        if tk is not None:
+            grad_y, grad_probs = tk.combine_bwd(g_TD, y_ND, rows_TK, probs_TK, keep_TK, ctx.permutation)
+            return grad_y, grad_probs.to(probs_TK.dtype), None, None, None, None
         y_TKD = _gather_copies(y_ND, rows_TK, keep_TK)  # recomputed: cheaper than keeping T*K*D alive
         g_TD1 = g_TD.unsqueeze(-1)
         grad_probs = torch.bmm(y_TKD, g_TD1).squeeze(-1).to(probs_TK.dtype) if ctx.needs_input_grad[1] else None
@@ -81,7 +88,7 @@ class _CombineRows(torch.autograd.Function):
                 grad_y = y_ND.new_empty(N, D).index_copy_(0, rows_TK.reshape(-1), g_TKD.view(T * K, D))
             else:  # padded: empty slots get 0; dropped copies write 0 into the spare row N
                 grad_y = y_ND.new_zeros(N + 1, D).index_copy_(0, rows_TK.reshape(-1), g_TKD.view(T * K, D))[:N]
-        return grad_y, grad_probs, None, None, None
+        return grad_y, grad_probs, None, None, None, None
 
 
 def _gather_copies(y_ND, rows_TK, keep_TK):
@@ -93,26 +100,49 @@ def _gather_copies(y_ND, rows_TK, keep_TK):
 
 
 def combine_rows(y_ND: torch.Tensor, probs_TK: torch.Tensor, rows_TK: torch.Tensor,
-                 keep_TK: Optional[torch.Tensor] = None, permutation: bool = True) -> torch.Tensor:
+                 keep_TK: Optional[torch.Tensor] = None, permutation: bool = True, fused: bool = True) -> torch.Tensor:
     """``out[t] = sum_k probs[t, k] * y[rows[t, k]]`` (dropped copies contribute 0).
 
     ``permutation``: ``rows_TK`` covers every row of ``y_ND`` exactly once (false for padded capacity layouts).
     """
-    return _CombineRows.apply(y_ND, probs_TK, rows_TK, keep_TK, permutation)
+    return _CombineRows.apply(y_ND, probs_TK, rows_TK, keep_TK, permutation, fused)
 
 
-class _PermuteRows(torch.autograd.Function):
+def _scatter(x_MD: torch.Tensor, dest_M: torch.Tensor, R: int) -> torch.Tensor:
+    out = x_MD.new_empty(R, x_MD.shape[1]) if R == x_MD.shape[0] else x_MD.new_zeros(R, x_MD.shape[1])
+    return out.index_copy_(0, dest_M, x_MD)
+
+
+class _MoveRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD, order_M, inverse_M):
-        ctx.save_for_backward(inverse_M)
-        return x_MD.index_select(0, order_M)
+    def forward(ctx, x_MD, dest_M, R: int):
+        ctx.save_for_backward(dest_M)
+        return _scatter(x_MD, dest_M, R)
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        (dest_M,) = ctx.saved_tensors
+        return g_RD.index_select(0, dest_M), None, None
+
+
+def move_rows(x_MD: torch.Tensor, dest_M: torch.Tensor, R: int) -> torch.Tensor:
+    """Row m to row ``dest_M[m]`` of R rows (distinct places; rows nobody lands on are zero). Backward gathers."""
+    return _MoveRows.apply(x_MD, dest_M, R)
+
+
+def take_rows(y_RD: torch.Tensor, dest_M: torch.Tensor) -> torch.Tensor:
+    """``y_RD[dest_M]``, the inverse of ``move_rows``; rows not taken get a zero gradient."""
+    return _TakeRows.apply(y_RD, dest_M)
+
+
+class _TakeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_RD, dest_M):
+        ctx.save_for_backward(dest_M)
+        ctx.R = y_RD.shape[0]
+        return y_RD.index_select(0, dest_M)
 
     @staticmethod
     def backward(ctx, g_MD):
-        (inverse_M,) = ctx.saved_tensors
-        return g_MD.index_select(0, inverse_M), None, None
-
-
-def permute_rows(x_MD: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Tensor) -> torch.Tensor:
-    """``x_MD[order_M]`` for a permutation whose inverse is given; backward is the inverse gather."""
-    return _PermuteRows.apply(x_MD, order_M, inverse_M)
+        (dest_M,) = ctx.saved_tensors
+        return _scatter(g_MD, dest_M, ctx.R), None

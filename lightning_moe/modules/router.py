@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.modules import replay
+from lightning_moe.modules import fused_router, replay
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.init import fill_normal_
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -129,7 +129,12 @@ def aux_loss_scores(logits_TE: torch.Tensor, score_function: str, topk: int,
 def switch_load_balancing_loss(scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, total_num_tokens: int,
                                topk: int, num_experts: int, coeff: float) -> torch.Tensor:
     """Megatron's ``switch_load_balancing_loss_func``; equals ``coeff`` for a perfectly uniform router."""
-    aggregated_E = scores_TE.sum(dim=0)
+    return switch_loss_of_sums(scores_TE.sum(dim=0), tokens_per_expert_E, total_num_tokens, topk, num_experts, coeff)
+
+
+def switch_loss_of_sums(aggregated_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, total_num_tokens: int,
+                        topk: int, num_experts: int, coeff: float) -> torch.Tensor:
+    """The switch loss from the scores' column sums (what the fused router's kernel hands over)."""
     scale = num_experts * coeff / (topk * total_num_tokens * total_num_tokens)
     return (aggregated_E * tokens_per_expert_E.to(aggregated_E.dtype)).sum() * scale
 
@@ -149,21 +154,25 @@ def updated_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor,
 def _route_local(logits_TE: torch.Tensor, cfg: ModelConfig, expert_bias_E: Optional[torch.Tensor],
                  training: bool, z_scale: float = 1.0):
     """Everything the router computes from its logits without communication: z-loss, top-k, capacity, counts."""
-    T, E = logits_TE.shape
     zl = z_loss(logits_TE, cfg.z_loss_coeff) * z_scale if cfg.z_loss_coeff and training else logits_TE.new_zeros(())
     probs_TK, experts_TK = topk_routing(logits_TE, cfg, expert_bias_E)
+    return (*_drop_and_count(probs_TK, experts_TK, cfg, logits_TE.shape[1]), zl)
+
+
+def _drop_and_count(probs_TK: torch.Tensor, experts_TK: torch.Tensor, cfg: ModelConfig, E: int):
+    """Capacity (if any) and the counts of kept assignments: (probs_TK, experts_TK, keep_TK, counts_E, dropped)."""
     keep_TK = None
     if cfg.capacity_factor is not None:
         # pad_to_capacity only fixes the dispatcher's buffer shapes; the kept set is the same either way
-        capacity = expert_capacity(T, E, cfg.topk, cfg.capacity_factor)
+        capacity = expert_capacity(probs_TK.shape[0], E, cfg.topk, cfg.capacity_factor)
         keep_TK = apply_capacity(probs_TK, experts_TK, E, capacity, cfg.drop_policy)
         probs_TK = probs_TK * keep_TK
     with torch.no_grad():
         kept_TK = keep_TK.float() if keep_TK is not None else torch.ones_like(probs_TK, dtype=torch.float32)
-        tokens_per_expert_E = torch.zeros(E, dtype=torch.float32, device=logits_TE.device)
+        tokens_per_expert_E = torch.zeros(E, dtype=torch.float32, device=probs_TK.device)
         tokens_per_expert_E.scatter_add_(0, experts_TK.reshape(-1), kept_TK.reshape(-1))
         num_dropped = (kept_TK.numel() - kept_TK.sum()).float()
-    return probs_TK, experts_TK, keep_TK, zl, tokens_per_expert_E, num_dropped
+    return probs_TK, experts_TK, keep_TK, tokens_per_expert_E, num_dropped
 
 
 _COMPILED: dict = {}  # a cache of compiled kernels (not parallel state)
@@ -215,16 +224,25 @@ class TopKRouter(nn.Module):
             logits_TE = F.linear(x_TD.float(), self.weight.float())
         training = self.training and torch.is_grad_enabled()
 
-        route = _compiled(_route_local) if cfg.compile_router and logits_TE.is_cuda else _route_local
+        want_aux = training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0
+        T = logits_TE.shape[0]
+        if want_aux and cfg.load_balancing == "seq_aux_loss" and (num_sequences <= 0 or T % num_sequences):
+            raise ValueError(f"TopKRouter: seq_aux_loss needs num_sequences ({num_sequences}) to divide the "
+                             f"number of tokens ({T})")
         # the z-loss is a mean over this rank's tokens; the TP ranks hold shares of the same tokens and their
         # router gradients are summed (not averaged) over TP, hence 1/tp
-        probs_TK, experts_TK, keep_TK, zl, tokens_per_expert_E, num_dropped = route(
-            logits_TE, cfg, self.expert_bias, training, 1.0 / self.ctx.tp)
-
-        aux = logits_TE.new_zeros(())
-        if training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0:
+        z_scale = 1.0 / self.ctx.tp
+        if fused_router.supported(cfg, logits_TE):
+            probs_TK, experts_TK, keep_TK, tokens_per_expert_E, num_dropped, zl, aux_in = self._route_fused(
+                logits_TE, training, want_aux, num_sequences, z_scale)
+        else:
+            route = _compiled(_route_local) if cfg.compile_router and logits_TE.is_cuda else _route_local
+            probs_TK, experts_TK, keep_TK, tokens_per_expert_E, num_dropped, zl = route(
+                logits_TE, cfg, self.expert_bias, training, z_scale)
             same_ranking = not cfg.num_groups and self.expert_bias is None
-            aux = self._aux_loss(logits_TE, num_sequences, experts_TK if same_ranking else None)
+            aux_in = self._aux_inputs(logits_TE, num_sequences, experts_TK if same_ranking else None) \
+                if want_aux else None
+        aux = self._aux_loss(*aux_in, T, num_sequences) if want_aux else logits_TE.new_zeros(())
 
         if training and not replay.replaying():  # a recomputation's replay must not count again
             with torch.no_grad():
@@ -233,8 +251,35 @@ class TopKRouter(nn.Module):
         return RouterOutput(probs_TK=probs_TK, experts_TK=experts_TK, keep_TK=keep_TK, aux_loss=aux, z_loss=zl,
                             tokens_per_expert_E=tokens_per_expert_E, num_dropped=num_dropped)
 
-    def _aux_loss(self, logits_TE: torch.Tensor, num_sequences: int,
-                  experts_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _route_fused(self, logits_TE: torch.Tensor, training: bool, want_aux: bool, num_sequences: int,
+                     z_scale: float):
+        """The Triton router (fused_router.py): gates, counts and the loss partial sums in one kernel; the capacity
+        drop (a top-k over tokens) and the counts of what it keeps stay the reference's."""
+        cfg = self.cfg
+        T, E = logits_TE.shape
+        f = fused_router.score(logits_TE, cfg, self.expert_bias, z=bool(cfg.z_loss_coeff) and training,
+                               aux=want_aux, num_sequences=num_sequences)
+        zl = f.z_sum * (cfg.z_loss_coeff * z_scale / T) if f.z_sum is not None else logits_TE.new_zeros(())
+        if cfg.capacity_factor is None:
+            local = f.probs_TK, f.experts_TK, None, f.tokens_per_expert_E, logits_TE.new_zeros(())
+        else:
+            local = _drop_and_count(f.probs_TK, f.experts_TK, cfg, E)
+        return (*local, zl, (f.aux_sums, f.aux_counts))
+
+    def _aux_inputs(self, logits_TE: torch.Tensor, num_sequences: int,
+                    experts_TK: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's (score column sums, routing-map counts): (E,) each, or (B, E) for seq_aux_loss."""
+        cfg, E = self.cfg, self.cfg.num_experts
+        scores_fn = _compiled(aux_loss_scores) if cfg.compile_router and logits_TE.is_cuda else aux_loss_scores
+        scores_TE, routing_map_TE = scores_fn(logits_TE, cfg.score_function, cfg.topk, experts_TK)
+        if cfg.load_balancing == "seq_aux_loss":
+            B, S = num_sequences, logits_TE.shape[0] // num_sequences
+            # (S, B*E): each (sequence, expert) pair acts as its own expert in the switch formula, as in Megatron
+            sums_BE = scores_TE.view(B, S, E).transpose(0, 1).reshape(S, B * E).sum(dim=0).view(B, E)
+            return sums_BE, routing_map_TE.view(B, S, E).sum(dim=1).float()
+        return scores_TE.sum(dim=0), routing_map_TE.sum(dim=0).float()
+
+    def _aux_loss(self, sums_X: torch.Tensor, counts_X: torch.Tensor, T: int, num_sequences: int) -> torch.Tensor:
         # Parallel scale factors: each rank sees only its share of the tokens (1/cp of every sequence, 1/dp of the
         # batch) but the token counts are all-reduced. The loss over the whole global batch is therefore the SUM of
         # the per-rank losses over the cp (and, for the global loss, dp) ranks. Gradients get AVERAGED over dp x cp,
@@ -242,32 +287,24 @@ class TopKRouter(nn.Module):
         # computed on the whole global batch by one process. TP ranks route disjoint shares of the same tokens and
         # their router gradients are summed over TP, so the tp factor is 1.
         cfg, ctx, E, K = self.cfg, self.ctx, self.cfg.num_experts, self.cfg.topk
-        T = logits_TE.shape[0]
         coeff = cfg.aux_loss_coeff
-        scores_fn = _compiled(aux_loss_scores) if cfg.compile_router and logits_TE.is_cuda else aux_loss_scores
-        scores_TE, routing_map_TE = scores_fn(logits_TE, cfg.score_function, K, experts_TK)
         if cfg.load_balancing == "aux_loss":
-            tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_cp")
+            tpe_E = ctx.all_reduce_(counts_X, "tp_cp")
             total = T * ctx.size("tp_cp")
             # the CP ranks sharing the micro-batch (tp_cp / tp): DynamicContextParallel may give "cp" fewer ranks
             cp_batch = ctx.size("tp_cp") // ctx.size("tp")
-            return switch_load_balancing_loss(scores_TE, tpe_E, total, K, E, coeff) * cp_batch
+            return switch_loss_of_sums(sums_X, tpe_E, total, K, E, coeff) * cp_batch
         if cfg.load_balancing == "seq_aux_loss":
-            if num_sequences <= 0 or T % num_sequences:
-                raise ValueError(f"TopKRouter: seq_aux_loss needs num_sequences ({num_sequences}) to divide the "
-                                 f"number of tokens ({T})")
             B, S = num_sequences, T // num_sequences
-            tpe_BE = ctx.all_reduce_(routing_map_TE.view(B, S, E).sum(dim=1).float(), "tp_cp")
-            # (S, B*E): each (sequence, expert) pair acts as its own expert in the switch formula, as in Megatron
-            scores_SX = scores_TE.view(B, S, E).transpose(0, 1).reshape(S, B * E)
+            tpe_BE = ctx.all_reduce_(counts_X, "tp_cp")
             total = S * ctx.size("tp_cp")
-            loss = switch_load_balancing_loss(scores_SX, tpe_BE.reshape(B * E), total, K, E, coeff) / B
+            loss = switch_loss_of_sums(sums_X.reshape(B * E), tpe_BE.reshape(B * E), total, K, E, coeff) / B
             return loss * (ctx.size("tp_cp") // ctx.size("tp"))
         if cfg.load_balancing == "global_aux_loss":
             if replay.replaying():  # the first pass's window: later micro-batches have moved the counters since
                 averaged_E = self._replayed.pop(0)  # (and no all-reduce: every rank replays alike)
             else:
-                tpe_E = ctx.all_reduce_(routing_map_TE.sum(dim=0).float(), "tp_dp_cp")
+                tpe_E = ctx.all_reduce_(counts_X, "tp_dp_cp")
                 with torch.no_grad():
                     self.global_tokens_per_expert += tpe_E
                     self.global_aux_steps += 1
@@ -275,7 +312,7 @@ class TopKRouter(nn.Module):
                 if replay.recorded():  # this pass will be replayed in backward: keep what it saw
                     self._replayed.append(averaged_E)
             total = T * ctx.size("tp_dp_cp")
-            return switch_load_balancing_loss(scores_TE, averaged_E, total, K, E, coeff) * ctx.size("dp_cp")
+            return switch_loss_of_sums(sums_X, averaged_E, total, K, E, coeff) * ctx.size("dp_cp")
         raise ValueError(f"TopKRouter: unknown load_balancing {cfg.load_balancing!r}")
 
     @torch.no_grad()
