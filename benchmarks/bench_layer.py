@@ -221,7 +221,8 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         T = args.tokens
     B = max(1, T // SEQ) if T % SEQ == 0 else 1
     cfg = ModelConfig(hidden_size=h, num_experts=E, moe_ffn_hidden_size=f, topk=k, num_layers=1,
-                      seq_length=T // B, compile_router=args.compile_router, **shape["router"])
+                      seq_length=T // B, compile_router=args.compile_router, router_fusion=not args.unfused,
+                      permute_fusion=not args.unfused, **shape["router"])
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -363,6 +364,8 @@ def main(argv=None) -> dict:
                         "bf16-mixed training (adds the weight casts)")
     p.add_argument("--tokens", type=int, default=None, help="override T for every shape")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
+    p.add_argument("--unfused", action="store_true",
+                   help="router_fusion=False, permute_fusion=False: the torch reference router and permutes")
     p.add_argument("--precision", default="bf16",
                    help="bf16, plus comma-separated fp8-<recipe>[-hybrid] (recipes: " + ", ".join(RECIPES) + ")")
     p.add_argument("--with-loop", action="store_true", help="also time a per-expert Python loop (qwen3 only)")
