@@ -30,16 +30,27 @@ def _targets(block) -> list[tuple[str, torch.nn.Module]]:
 
 
 class _Offloaded:
-    """A saved tensor that lives on the host until backward reloads it."""
-    __slots__ = ("store", "group", "host", "copied", "device", "loaded")
+    """A saved storage that lives on the host until backward reloads it."""
+    __slots__ = ("store", "group", "host", "copied", "device", "loaded", "handed")
 
     def __init__(self, store: "HostActivations", group: int, host: torch.Tensor, copied: torch.cuda.Event):
         self.store, self.group, self.host, self.copied = store, group, host, copied
         self.device: Optional[torch.Tensor] = None
         self.loaded: Optional[torch.cuda.Event] = None
+        self.handed = None  # weakref to the reloaded bytes while backward still holds them
+
+
+class _View:
+    """One saved tensor: a view (shape, stride, offset, dtype) onto an offloaded storage."""
+    __slots__ = ("item", "shape", "stride", "offset", "dtype")
+
+    def __init__(self, item: _Offloaded, t: torch.Tensor):
+        self.item, self.shape, self.stride, self.offset, self.dtype = item, t.shape, t.stride(), t.storage_offset(), t.dtype
 
     def get(self) -> torch.Tensor:
-        return self.store.reload(self)
+        buf = self.item.store.reload(self.item)
+        return torch.empty(0, dtype=self.dtype, device=buf.device).set_(buf.untyped_storage(), self.offset, self.shape,
+                                                                         self.stride)
 
 
 class HostActivations:
@@ -54,28 +65,33 @@ class HostActivations:
 
     def new_group(self) -> None:
         self.groups.append([])
-        self._seen = {}  # (data_ptr, shape, dtype) -> (weakref to the tensor, its item), this block's
+        self._seen = {}  # (storage address, bytes) -> (weakrefs to its saved views, its item), this block's
 
-    def pack(self, t: torch.Tensor, name: str) -> tuple[Optional[_Offloaded], bool]:
-        """``(item, new)``: the host copy of ``t`` (None: kept on the device), and whether this call made it. Two
-        ops of a block may save one tensor (the core attention's output is saved by attention and by the output
-        projection): it is copied, and counted, once."""
-        if (t.device.type != "cuda" or not t.is_contiguous() or t.numel() * t.element_size() < self.min_bytes
-                or not self.groups):
+    def pack(self, t: torch.Tensor, name: str) -> tuple[Optional[_View], bool]:
+        """``(view, new)``: ``t`` as a view onto the host copy of its storage (None: kept on the device), and whether
+        this call made the copy. Whole storages move, so that every saved view of one goes with it and its device
+        memory is freed: attention saves its output as a transposed view of the buffer that the output projection
+        saves as its input, and offloading only one of them would keep the buffer on the device."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        spans = t.numel() * t.element_size() == nbytes  # the view covers its storage once (any dim order)
+        if t.device.type != "cuda" or not spans or nbytes < self.min_bytes or not self.groups:
             return None, False  # kept on the device
-        key = (t.data_ptr(), t.shape, t.dtype)
+        key = (storage.data_ptr(), nbytes)
         seen = self._seen.get(key)
-        if seen is not None and seen[0]() is not None:  # alive: its memory cannot belong to another tensor
-            return seen[1], False
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's caching host allocator: reused
+        if seen is not None and any(ref() is not None for ref in seen[0]):  # a view alive: the memory is that storage
+            seen[0].append(weakref.ref(t))
+            return _View(seen[1], t), False
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # torch's caching host allocator: reused
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # the storage as bytes
         self.out.wait_stream(torch.cuda.current_stream(self.device))  # after the op that produced it
         with torch.cuda.stream(self.out):
-            host.copy_(t, non_blocking=True)
+            host.copy_(src, non_blocking=True)
         t.record_stream(self.out)  # its device memory is reused only after the copy
         item = _Offloaded(self, len(self.groups) - 1, host, self.out.record_event())
         self.groups[-1].append(item)
-        self._seen[key] = (weakref.ref(t), item)
-        return item, True
+        self._seen[key] = ([weakref.ref(t)], item)
+        return _View(item, t), True
 
     def _load(self, items) -> None:
         """Start copying back the items not on their way yet (``loaded`` is None: never loaded, or handed out)."""
@@ -84,11 +100,15 @@ class HostActivations:
                 continue
             with torch.cuda.stream(self.back):
                 self.back.wait_event(item.copied)
-                item.device = torch.empty(item.host.shape, dtype=item.host.dtype, device=self.device)
+                item.device = torch.empty(item.host.shape, dtype=item.host.dtype, device=self.device)  # bytes
                 item.device.copy_(item.host, non_blocking=True)
             item.loaded = self.back.record_event()
 
     def reload(self, item: _Offloaded) -> torch.Tensor:
+        """The storage's bytes on the device (a uint8 tensor)."""
+        handed = item.handed() if item.handed is not None else None
+        if handed is not None:  # another view of this storage brought it back, and backward still holds it
+            return handed
         if item.group in self._used:
             self._load([item])  # prefetched (a no-op), or handed out before and needed again
         else:  # a group's first use loads all of it, and prefetches the last earlier group, which backward reaches next
@@ -99,8 +119,9 @@ class HostActivations:
                 self._load(self.groups[earlier])
         current = torch.cuda.current_stream(self.device)
         current.wait_event(item.loaded)
-        t, item.device, item.loaded = item.device, None, None  # handed out (a second unpack reloads it)
+        t, item.device, item.loaded = item.device, None, None  # handed out (once freed, a second unpack reloads it)
         t.record_stream(current)  # allocated on the reload stream, used and freed on the compute stream
+        item.handed = weakref.ref(t)
         return t
 
     def clear(self) -> None:
