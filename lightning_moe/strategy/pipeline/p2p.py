@@ -53,7 +53,7 @@ class PipelineGroups:
     def warmup_ring(self, device: torch.device) -> None:
         """Connect the ring group to both neighbours before the first schedule (see ``warmup``): a collective first
         (torch wants every rank of a group in its first batched p2p), then one batch both ways round the ring, which
-        every rank posts at once."""
+        every rank posts at once; then the tied-embedding group, as ``warmup`` does."""
         t = torch.zeros(1 << 16, device=device)
         dist.all_reduce(t[:1], group=self.ring)
         bufs = [torch.empty_like(t), torch.empty_like(t)]
@@ -63,6 +63,8 @@ class PipelineGroups:
                                                                                  self.ring)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
+        if self.embed is not None:
+            dist.all_reduce(t[:1], group=self.embed)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
