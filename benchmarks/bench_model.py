@@ -230,6 +230,8 @@ def strategy_kwargs(args) -> dict:
             kw["virtual_pipeline_size"] = args.vpp
         if args.schedule:
             kw["pipeline_schedule"] = args.schedule
+        if args.overlap_p2p is not None:
+            kw["overlap_p2p_comm"] = bool(args.overlap_p2p)
     return kw
 
 
@@ -320,6 +322,8 @@ def run_one(args, preset: str) -> dict:
             per_rank = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, pipe)
             rec["pipeline"] = {"ideal_bubble_fraction": pipe["ideal_bubble_fraction"],
+                               "plan_bubble_fraction": pipe.get("plan_bubble_fraction"),
+                               "overlap_p2p": pipe.get("overlap_p2p"),
                                "bubble_fraction_per_rank": [r.get("bubble_fraction") for r in per_rank],
                                "busy_s_per_rank": [r.get("busy_s") for r in per_rank],
                                "wall_s_per_rank": [r.get("wall_s") for r in per_rank]}
@@ -440,6 +444,8 @@ def main(argv=None) -> dict:
     p.add_argument("--microbatches", type=int, default=1,
                    help="num_microbatches: --batch (per dp rank) is split into this many inside each step")
     p.add_argument("--schedule", default=None, help="pipeline schedule: 1f1b, interleaved_1f1b, afab")
+    p.add_argument("--overlap-p2p", type=int, default=None, choices=[0, 1],
+                   help="MoEFoldStrategy(overlap_p2p_comm=...): pipeline transfers during compute (default: on)")
     p.add_argument("--experts", type=int, default=None, help="num_experts (default per preset)")
     p.add_argument("--first-k-dense", type=int, default=None, help="dense layers first (default per preset)")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")

@@ -76,6 +76,11 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             or ``"afab"`` (all forwards, then all backwards).
         pipeline_first_stage_layers, pipeline_last_stage_layers: layer counts of the first and last (virtual)
             pipeline stages; the other layers split evenly over the other stages (default: an even split).
+        overlap_p2p_comm: pipeline transfers run while the stages compute (Megatron's ``overlap_p2p_comm``): each
+            op's output is sent right after it, receives are posted ahead as one batch per step on one group per
+            pipeline, and an op waits on the GPU only for its own input (``schedules.overlap_plan``; every plan is
+            checked for deadlocks by ``schedules.simulate_plans`` before training). False: the synchronous exchanges,
+            each completed with a device synchronisation before the stage computes again.
         sequence_parallel: shard activations over TP outside the TP regions (default: on when TP > 1).
         bucket_size_mb: gradient all-reduce bucket size.
         overlap_grad_sync: launch bucket all-reduces during the last backward of each step.
@@ -117,7 +122,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  expert_tensor_parallel_size: int = 1, virtual_pipeline_size: Optional[int] = None,
                  num_microbatches: int = 1, sequence_parallel: Optional[bool] = None,
                  pipeline_schedule: Optional[str] = None, pipeline_first_stage_layers: Optional[int] = None,
-                 pipeline_last_stage_layers: Optional[int] = None, bucket_size_mb: float = 25.0,
+                 pipeline_last_stage_layers: Optional[int] = None, overlap_p2p_comm: bool = True,
+                 bucket_size_mb: float = 25.0,
                  overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None,
                  timeout: Union[float, timedelta] = 1800.0,
                  process_group_backend: Optional[str] = None, cuda_graphs: bool = False,
@@ -148,6 +154,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             pipeline_schedule = "interleaved_1f1b" if (virtual_pipeline_size or 1) > 1 else "1f1b"
         vpp = virtual_pipeline_size if (virtual_pipeline_size or 1) > 1 else None
         check_schedule(pipeline_schedule, pipeline_parallel_size, num_microbatches, vpp)  # ValueError naming why
+        if not isinstance(overlap_p2p_comm, bool):
+            raise ValueError(f"MoEFoldStrategy: overlap_p2p_comm must be True or False, got {overlap_p2p_comm!r}")
         if pipeline_parallel_size > 1 and num_microbatches < pipeline_parallel_size:
             bubble = simulate(pipeline_schedule, pipeline_parallel_size, num_microbatches, vpp)["bubble_fraction"]
             rank_zero_warn(f"MoEFoldStrategy: num_microbatches={num_microbatches} < pipeline_parallel_size="
@@ -168,6 +176,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self.ep, self.etp, self.vpp = expert_parallel_size, expert_tensor_parallel_size, virtual_pipeline_size
         self.num_microbatches = num_microbatches
         self.pipeline_schedule = pipeline_schedule
+        self.overlap_p2p_comm = overlap_p2p_comm
         self.pipeline_first_stage_layers, self.pipeline_last_stage_layers = (pipeline_first_stage_layers,
                                                                              pipeline_last_stage_layers)
         self._pipeline: Optional[PipelineEngine] = None
@@ -345,7 +354,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             raise ValueError("MoEFoldStrategy: pipeline schedules do not support fp16 loss scaling (precision="
                              "'16-mixed'); use 'bf16-mixed' or 'bf16-true'")
         self._pipeline = PipelineEngine(self.parallel_context, self.pipeline_schedule, self.num_microbatches,
-                                        self.root_device)
+                                        self.root_device, overlap_p2p=self.overlap_p2p_comm)
 
     def _check_cuda_graphs(self) -> None:
         if self.root_device.type != "cuda":
@@ -374,8 +383,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
 
     def pipeline_timing(self) -> dict:
         """The last pipeline schedule on this rank: ``wall_s``, ``busy_s``, the measured ``bubble_fraction``
-        (1 - busy/wall; idle time waiting for other stages) and the schedule's ``ideal_bubble_fraction``. Empty
-        without pipeline schedules. Synchronises with the device once."""
+        (1 - busy/wall; idle time waiting for other stages or transfers), the schedule's ``ideal_bubble_fraction``,
+        ``plan_bubble_fraction`` (what the executor's exchanges allow with free communication) and ``overlap_p2p``.
+        Empty without pipeline schedules. Synchronises with the device once."""
         return self._pipeline.timing() if self._pipeline is not None else {}
 
     def model_to_device(self) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from lightning_moe.modules.tensor_parallel import tp_shard
 
+import hashlib
 import os
 
 # LMOE_PARITY_ACCELERATOR=gpu runs the same cases over NCCL on GPUs (the reference on GPU 0); CI uses gloo on CPU
@@ -173,8 +174,19 @@ def train(case: Case, tokens: str, root: str, parallel: bool) -> dict:
     placement = {"environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
                  "node_of_rank": getattr(trainer.strategy, "node_of_rank", None),
                  "cross_node_groups": getattr(trainer.strategy, "cross_node_groups", None)}
+    pipeline = trainer.strategy.pipeline_timing() if parallel else {}
+    digest = {"losses": digest_of({"losses": losses}), "grads": digest_of(grads), "state": digest_of(state)}
     return {"losses": losses.cpu(), "grads": grads, "state": state, "ctx": model.parallel_context, "specs": specs,
-            "placement": placement}
+            "placement": placement, "pipeline": pipeline, "digest": digest}
+
+
+def digest_of(tensors: dict) -> str:
+    """SHA-256 over the names and bytes of the tensors: equal exactly when the runs are bitwise equal."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def reference_slice(name: str, full: torch.Tensor, ctx, num_experts: int, spec=(None, 1)) -> torch.Tensor:
@@ -224,6 +236,7 @@ def compare(run: dict, ref: dict, num_experts: int) -> dict:
     out["expert_bias_exact"] = all(torch.equal(t, ref["state"][n]) for n, t in bias.items())
     out["expert_bias_moved"] = any(t.abs().sum() > 0 for t in bias.values())
     out["losses"] = (run["losses"].tolist(), ref["losses"].tolist())
+    out["pipeline"], out["digest"] = run["pipeline"], run["digest"]
     return out
 
 

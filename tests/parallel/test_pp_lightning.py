@@ -118,6 +118,8 @@ def test_bubble_reported_to_the_throughput_callback(runs):
     for r in pp:
         t = r["timing"]
         assert t["ideal_bubble_fraction"] == pytest.approx(1 / 5)  # (pp - 1) / (m + pp - 1)
+        # the overlapped transfers (the default) allow the schedule's bubble; the synchronous 1F1B's allow 1/2
+        assert t["overlap_p2p"] is True and t["plan_bubble_fraction"] == pytest.approx(1 / 5)
         assert 0.0 < t["bubble_fraction"] < 1.0 and 0 < t["busy_s"] < t["wall_s"]
         assert r["history"] and all(h["pipeline_bubble_fraction"] is not None for h in r["history"])
         assert all(h["pipeline_ideal_bubble_fraction"] == pytest.approx(0.2) for h in r["history"])

@@ -31,6 +31,7 @@ def test_impossible_layout_fails_at_trainer_construction(kwargs, devices, match)
     (dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="1f1b"), "interleaved_1f1b"),
     (dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"), "virtual_pipeline_size"),
     (dict(pipeline_parallel_size=2, num_microbatches=0), "num_microbatches"),
+    (dict(pipeline_parallel_size=2, num_microbatches=4, overlap_p2p_comm="yes"), "overlap_p2p_comm must be True or"),
 ])
 def test_bad_pipeline_options_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -44,6 +45,7 @@ def test_fewer_microbatches_than_stages_warns():
 
 def test_default_schedules():
     assert MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=4).pipeline_schedule == "1f1b"
+    assert MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=4).overlap_p2p_comm is True
     assert MoEFoldStrategy(pipeline_parallel_size=2, virtual_pipeline_size=2,
                            num_microbatches=4).pipeline_schedule == "interleaved_1f1b"
 

@@ -275,3 +275,111 @@ def test_executor_exchanges_never_deadlock():
     ops = [build_schedule("interleaved_1f1b", 2, r, 4, 2) for r in range(2)]
     with pytest.raises(RuntimeError, match="deadlock"):
         check_rendezvous(ops, [[[k] for k in range(len(o))] for o in ops], 2, 2)
+
+
+# ------------------------------------------------------------------------------------------- overlapped p2p (plans)
+def test_overlapped_plans_never_deadlock_and_keep_the_schedules_bubble():
+    """Every schedule of the grid with overlap_p2p_comm, training and forwards only: no deadlock under the worst-case
+    rendezvous of simulate_plans (a host may block on all its pending batches at any moment), both ends of every pair
+    post their messages in the same order, and with free communication the bubble is exactly the schedule's."""
+    from lightning_moe.strategy.pipeline.schedules import exchange_plans, simulate_plans, simulate_rendezvous
+    n = 0
+    for schedule, pp, m, vpp in GRID:
+        if pp == 1 and vpp:  # the layout refuses virtual stages without PP (no self-sends)
+            continue
+        ops, plans = exchange_plans(schedule, pp, m, vpp, overlap=True)
+        for f, b in ((Fraction(1), Fraction(2)), (Fraction(3), Fraction(1))):
+            got = simulate_plans(ops, plans, pp, vpp, f, b)
+            assert got["bubble_fraction"] == simulate(schedule, pp, m, vpp, f, b)["bubble_fraction"], \
+                (schedule, pp, m, vpp, f, b)
+        simulate_rendezvous(schedule, pp, m, vpp, overlap=True, train=False)
+        n += 1
+    assert n > 100
+
+
+def test_synchronous_1f1b_makes_the_stages_take_turns():
+    """The fallback's 1F1B exchanges pair a steady-state F with the next B and send both outputs after both ran, so
+    with pp=2 the stages alternate (bubble 1/2, the schedule's is 1/5); the overlapped plan sends each output at once.
+    Interleaved 1F1B's synchronous pairs already reach its bubble."""
+    from lightning_moe.strategy.pipeline.schedules import simulate_rendezvous
+    assert simulate_rendezvous("1f1b", 2, 4)["bubble_fraction"] == 0.5
+    assert simulate_rendezvous("1f1b", 2, 4, overlap=True)["bubble_fraction"] == pytest.approx(0.2)
+    assert simulate_rendezvous("1f1b", 4, 8)["bubble_fraction"] > 0.5 > simulate("1f1b", 4, 8)["bubble_fraction"]
+    assert (simulate_rendezvous("interleaved_1f1b", 2, 4, 2)["bubble_fraction"]
+            == pytest.approx(simulate("interleaved_1f1b", 2, 4, 2)["bubble_fraction"]))
+
+
+def test_overlap_plans_by_hand():
+    from lightning_moe.strategy.pipeline.schedules import exchange_plans
+    # 1F1B (Megatron's send_forward_recv_backward / send_backward_recv_forward): receive right before the op
+    ops, plans = exchange_plans("1f1b", 2, 4, overlap=True)
+    assert ops[0] == _ops("F0 F1 B0 F2 B1 F3 B2 B3")
+    assert plans[0].posts[:4] == [[], [("send", ("act", 0, 1))],
+                                  [("send", ("act", 1, 1)), ("recv", ("grad", 0, 0))], []]
+    assert plans[0].waits == [-1, -1, 2, -1, 4, -1, 6, 7]
+    assert plans[1].posts[:3] == [[("recv", ("act", 0, 1))], [], [("send", ("grad", 0, 0)), ("recv", ("act", 1, 1))]]
+    assert plans[1].posts[-1] == [("send", ("grad", 3, 0))]
+    # interleaved (Megatron's overlap_p2p_comm): the next forward's input is received right after this forward, the
+    # next backward's right after this backward, the first backward's with the last warmup forward's output
+    ops, plans = exchange_plans("interleaved_1f1b", 2, 4, 2, overlap=True)
+    assert ops[1][:4] == _ops("F0.0 F1.0 F0.1 B0.1")
+    assert plans[1].posts[:4] == [[("recv", ("act", 0, 1))], [("send", ("act", 0, 2)), ("recv", ("act", 1, 1))],
+                                  [("send", ("act", 1, 2)), ("recv", ("act", 0, 3))], [("recv", ("act", 1, 3))]]
+    assert plans[1].waits[:4] == [0, 1, 2, -1]  # B0.1 on the last stage needs no gradient
+    assert ops[0][5] == Op("B", 0, 1) and ("recv", ("grad", 0, 2)) in plans[0].posts[5] and plans[0].waits[5] == 5
+
+
+def test_prefetching_1f1b_deadlocks():
+    """Why 1F1B does not prefetch (schedules.PREFETCH): rank 0 posts B1's receive after B0, rank 1 F2's after F1,
+    and each completes only with a send the other posts behind it."""
+    from lightning_moe.strategy.pipeline.schedules import overlap_plan, simulate_plans
+    ops = [build_schedule("1f1b", 2, r, 3) for r in range(2)]
+    with pytest.raises(RuntimeError, match=r"deadlock.*rank 0 at post 3: \[\('recv', \('grad', 1, 0\)\)\]; "
+                                           r"rank 1 at post 3: \[\('recv', \('act', 2, 1\)\)\]"):
+        simulate_plans(ops, [overlap_plan(o, r, 2, None, prefetch=True) for r, o in enumerate(ops)], 2)
+
+
+def test_plan_problems_catch_misordered_and_misplaced_messages():
+    from lightning_moe.strategy.pipeline.schedules import exchange_plans, plan_problems, simulate_plans
+    ops, plans = exchange_plans("interleaved_1f1b", 2, 4, 2, overlap=True)
+    assert plan_problems(ops, plans, 2, 2) == []
+    # pp=2: rank 0 -> 1 carries gradients and activations; rank 0 sends grad (0, 1) at post 6, act (3, 1) at post 7.
+    # Rank 1 receiving both at post 6 (still before F3.0 needs it) sorts act first: NCCL would swap the two.
+    moved = [list(p) for p in plans[1].posts]
+    moved[7].remove(("recv", ("act", 3, 1)))
+    moved[6].append(("recv", ("act", 3, 1)))
+    bad = [plans[0], plans[1]._replace(posts=moved, waits=[w if w != 7 else 6 for w in plans[1].waits])]
+    problems = plan_problems(ops, bad, 2, 2)
+    assert problems == ["0->1: message #5 is sent as ('grad', 0, 1) but received as ('act', 3, 1)"], problems
+    with pytest.raises(RuntimeError, match="sent as"):
+        simulate_plans(ops, bad, 2, 2)
+    # a send before the op that produces it, a receive the op does not wait for
+    early = [list(p) for p in plans[0].posts]
+    early[1].remove(("send", ("act", 0, 1)))
+    early[0].append(("send", ("act", 0, 1)))
+    assert plan_problems(ops, [plans[0]._replace(posts=early), plans[1]], 2, 2) == [
+        "rank 0: F(mb=0, chunk=0) sends ('act', 0, 1) at post 0, not after it"]
+    nowait = plans[1]._replace(waits=[-1] + plans[1].waits[1:])
+    assert plan_problems(ops, [plans[0], nowait], 2, 2) == [
+        "rank 1: F(mb=0, chunk=0) receives ('act', 0, 1) at post 0 but waits for post -1"]
+
+
+def test_the_first_versions_prefetch_is_rejected():
+    """The plan of the first NCCL executor, which hung: each op's input received while the previous op computes."""
+    from lightning_moe.strategy.pipeline.schedules import ExchangePlan, op_messages, simulate_plans
+
+    def one_ahead(ops, rank, pp, vpp):
+        posts, waits = [[] for _ in range(len(ops) + 1)], [-1] * len(ops)
+        for j, op in enumerate(ops):
+            recv, send = op_messages(op, rank, pp, vpp)
+            if recv:
+                posts[max(j - 1, 0)].append(("recv", recv))
+                waits[j] = max(j - 1, 0)
+            if send:
+                posts[j + 1].append(("send", send))
+        return ExchangePlan(posts, waits)
+
+    for schedule, pp, m, vpp in (("1f1b", 2, 4, None), ("interleaved_1f1b", 2, 4, 2), ("afab", 4, 8, None)):
+        ops = [build_schedule(schedule, pp, r, m, vpp) for r in range(pp)]
+        with pytest.raises(RuntimeError, match="deadlock"):
+            simulate_plans(ops, [one_ahead(o, r, pp, vpp) for r, o in enumerate(ops)], pp, vpp)

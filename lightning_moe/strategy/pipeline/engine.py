@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_moe.strategy.pipeline.p2p import StageComm
-from lightning_moe.strategy.pipeline.schedules import Op, build_schedule, exchange_phases, forward_order, simulate
+from lightning_moe.strategy.pipeline.p2p import OverlappedComm, StageComm
+from lightning_moe.strategy.pipeline.schedules import exchange_plans, op_messages, simulate, simulate_plans
 
 
 def split_microbatches(batch: Any, m: int) -> list:
@@ -57,7 +57,8 @@ class _Timer:
             self.marks.append(time.perf_counter())
 
     def result(self) -> dict:
-        """marks: start, then (compute begin, compute end) pairs, then end."""
+        """marks: start, then (compute begin, compute end) per op, then end. The begin mark follows the op's wait
+        for its input (on CUDA the stream reaches the event only after it), so busy excludes the waiting."""
         if not self.marks:
             return {}
         if self.cuda:
@@ -71,25 +72,40 @@ class _Timer:
 
 
 class PipelineEngine:
-    def __init__(self, ctx, schedule: str, num_microbatches: int, device: torch.device):
+    def __init__(self, ctx, schedule: str, num_microbatches: int, device: torch.device, overlap_p2p: bool = True):
         self.ctx, self.schedule, self.m = ctx, schedule, num_microbatches
         self.pp, self.rank = ctx.pp, ctx.rank("pp")
-        vpp = ctx.virtual_pipeline_size if ctx.vpp > 1 else None
-        self.train_ops = build_schedule(schedule, self.pp, self.rank, self.m, vpp)
-        self.train_phases = exchange_phases(schedule, self.pp, self.rank, self.m, vpp)
-        self.forward_ops = [Op("F", mb, c) for mb, c in forward_order(self.pp, self.m, vpp)]
-        # the bubble of this schedule with backward = 2 x forward and free communication (schedules.simulate)
-        self.ideal_bubble_fraction = simulate(schedule, self.pp, self.m, vpp)["bubble_fraction"]
-        self.comm = StageComm(ctx.pipeline) if self.pp > 1 else None
-        if self.comm is not None:
+        self.vpp = ctx.virtual_pipeline_size if ctx.vpp > 1 else None
+        self.overlap_p2p = overlap_p2p and self.pp > 1
+        # every rank's plan, simulated here: raises if it could deadlock or mismatch messages (the executor follows
+        # this rank's plan only)
+        self.plans, self.plan_bubble_fraction = {}, None
+        for train in (True, False):
+            ops, plans = exchange_plans(schedule, self.pp, self.m, self.vpp, self.overlap_p2p, train)
+            sim = simulate_plans(ops, plans, self.pp, self.vpp)
+            self.plans[train] = (ops[self.rank], plans[self.rank])
+            if train:
+                # the bubble this executor's exchanges allow with free communication (backward = 2 x forward)
+                self.plan_bubble_fraction = sim["bubble_fraction"]
+        # the schedule's own bubble under the same assumptions (schedules.simulate)
+        self.ideal_bubble_fraction = simulate(schedule, self.pp, self.m, self.vpp)["bubble_fraction"]
+        self.comm = None
+        if self.overlap_p2p:
+            self.comm = OverlappedComm(ctx.pipeline)
+            ctx.pipeline.warmup_ring(device)
+        elif self.pp > 1:
+            self.comm = StageComm(ctx.pipeline)
             ctx.pipeline.warmup(device)
         self._timer: Optional[_Timer] = None
 
     def timing(self) -> dict:
-        """The last training schedule on this rank: wall and busy seconds, measured and ideal bubble fractions.
-        Synchronises with the device once (call it when reporting, not every step)."""
+        """The last training schedule on this rank: wall and busy seconds, the measured bubble fraction, the
+        schedule's ideal one and the one its exchange plan allows (``plan_bubble_fraction``; above the ideal for the
+        synchronous 1F1B, whose steady-state pairs hold their sends until both ops ran). Synchronises with the
+        device once (call it when reporting, not every step)."""
         out = self._timer.result() if self._timer is not None else {}
-        return {**out, "ideal_bubble_fraction": self.ideal_bubble_fraction}
+        return {**out, "ideal_bubble_fraction": self.ideal_bubble_fraction,
+                "plan_bubble_fraction": self.plan_bubble_fraction, "overlap_p2p": self.overlap_p2p}
 
     def run(self, module, batch: Any, train: bool, loss_scale: float = 1.0, grad_sync=None,
             forward_context: Callable = nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +113,7 @@ class PipelineEngine:
         over micro-batches (the same on every stage) and this rank's chunks' mean auxiliary loss."""
         model = module.pipeline_model()
         mbs = split_microbatches(batch, self.m)
-        ops = self.train_ops if train else self.forward_ops
+        ops, plan = self.plans[train]
         param = next(p for p in model.parameters() if p.is_floating_point())
         shape, dtype, device = tuple(module.pipeline_input_shape(mbs[0])), param.dtype, param.device
         scale = loss_scale / self.m
@@ -110,54 +126,54 @@ class PipelineEngine:
         lm_sum = torch.zeros((), device=device, dtype=torch.float32)
         aux_sum = torch.zeros((), device=device, dtype=torch.float32)
         saved: dict = {}
-        sends: list = []  # produced by the previous op; they go out with this op's receive
-
-        def needs_recv(op: Op) -> Optional[str]:
+        outputs: dict = {}  # message -> tensor, produced by an op and not posted yet
+        inputs: dict = {}  # message -> receive buffer
+        for i in range(len(ops) + 1):
+            if self.comm is not None and plan.posts[i]:
+                sends = [(msg, outputs.pop(msg)) for what, msg in plan.posts[i] if what == "send"]
+                recvs = [(msg, torch.empty(shape, dtype=dtype, device=device))
+                         for what, msg in plan.posts[i] if what == "recv"]
+                inputs.update(recvs)
+                self.comm.post(i, sends, recvs)
+            if i == len(ops):
+                break
+            op = ops[i]
+            recv_msg, send_msg = op_messages(op, self.rank, self.pp, self.vpp)
+            if plan.waits[i] >= 0 and self.comm is not None:
+                self.comm.wait(plan.waits[i])
+            buf = inputs.pop(recv_msg) if recv_msg else None
+            if timer:
+                timer.mark()
+            key = (op.microbatch, op.chunk)
             if op.kind == "F":
-                return None if model.is_first_chunk(op.chunk) else "act"
-            return None if model.is_last_chunk(op.chunk) else "grad"
-
-        phases = self.train_phases if train else [[k] for k in range(len(ops))]
-        for phase in phases:
-            bufs = {k: (needs_recv(ops[k]), torch.empty(shape, dtype=dtype, device=device))
-                    for k in phase if needs_recv(ops[k])}
-            if self.comm is not None and (sends or bufs):
-                self.comm.exchange(sends, list(bufs.values()))
-            sends = []
-            if timer:
-                timer.mark()
-            for i in phase:
-                op, buf = ops[i], bufs[i][1] if i in bufs else None
-                key = (op.microbatch, op.chunk)
-                if op.kind == "F":
-                    x = buf.requires_grad_(train) if buf is not None else None
-                    with forward_context():
-                        out, aux = module.pipeline_forward(op.chunk, mbs[op.microbatch], x)
-                    aux_sum += aux.detach().float()
-                    if model.is_last_chunk(op.chunk):
-                        lm_sum += out.detach().float()
-                        if train:
-                            saved[key] = (x, ((out + aux) * scale,), (None,))
-                    else:
-                        sends.append(("act", out.to(dtype)))
-                        if train:
-                            roots, grads = [out], ["recv"]
-                            if aux.requires_grad:  # a chunk with MoE layers: its aux loss joins the backward
-                                roots.append(aux * scale)
-                                grads.append(None)
-                            saved[key] = (x, roots, grads)
+                x = buf.requires_grad_(train) if buf is not None else None
+                with forward_context():
+                    out, aux = module.pipeline_forward(op.chunk, mbs[op.microbatch], x)
+                aux_sum += aux.detach().float()
+                if model.is_last_chunk(op.chunk):
+                    lm_sum += out.detach().float()
+                    if train:
+                        saved[key] = (x, ((out + aux) * scale,), (None,))
                 else:
-                    x, roots, grads = saved.pop(key)
-                    if grad_sync is not None and grad_sync.armed and i == last_b[op.chunk]:
-                        grad_sync.expect_final(model.chunk_parameters(op.chunk))
-                    grads = [buf if g == "recv" else g for g in grads]
-                    torch.autograd.backward(list(roots), grads)
-                    if not model.is_first_chunk(op.chunk):
-                        sends.append(("grad", x.grad))
+                    outputs[send_msg] = out.to(dtype)
+                    if train:
+                        roots, grads = [out], ["recv"]
+                        if aux.requires_grad:  # a chunk with MoE layers: its aux loss joins the backward
+                            roots.append(aux * scale)
+                            grads.append(None)
+                        saved[key] = (x, roots, grads)
+            else:
+                x, roots, grads = saved.pop(key)
+                if grad_sync is not None and grad_sync.armed and i == last_b[op.chunk]:
+                    grad_sync.expect_final(model.chunk_parameters(op.chunk))
+                grads = [buf if g == "recv" else g for g in grads]
+                torch.autograd.backward(list(roots), grads)
+                if not model.is_first_chunk(op.chunk):
+                    outputs[send_msg] = x.grad
             if timer:
                 timer.mark()
-        if sends:
-            self.comm.exchange(sends, [])
+        if self.comm is not None:
+            self.comm.finish()  # the last sends; on CUDA the stream waits, the host does not
         if timer:
             timer.mark()
             self._timer = timer

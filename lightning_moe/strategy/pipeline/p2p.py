@@ -8,10 +8,14 @@ one direction of one kind only, in the order the schedules produce and consume t
 holds a send queued behind a receive from the same peer, which could deadlock. Shapes and dtypes are known ahead (every
 stage sees the same batch), so there is no shape handshake.
 
+With ``overlap_p2p_comm`` (``OverlappedComm``) the transfers instead go through one group per pipeline (``ring``): a
+post of the plan is one batch_isend_irecv there, and the plan (``schedules.overlap_plan``) fixes a message order
+that both ends of every pair share (``schedules.plan_problems``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,6 +34,7 @@ class PipelineGroups:
     embed: Optional[dist.ProcessGroup] = None  # first and last stage: gradients of tied embeddings
     # this rank's groups in the (global) order they were created: (group, "send"|"recv"|"all", peer)
     ordered: list = field(default_factory=list)
+    ring: Optional[dist.ProcessGroup] = None  # every rank of this pipeline: the overlapped executor's batches
 
     def warmup(self, device: torch.device) -> None:
         """Connect every edge up front with one small transfer each, in the global creation order. NCCL sets up a
@@ -42,6 +47,24 @@ class PipelineGroups:
                 dist.all_reduce(t[:1], group=g)
             else:
                 _p2p(dist.isend if role == "send" else dist.irecv, t, peer, g).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def warmup_ring(self, device: torch.device) -> None:
+        """Connect the ring group to both neighbours before the first schedule (see ``warmup``): a collective first
+        (torch wants every rank of a group in its first batched p2p), then one batch both ways round the ring, which
+        every rank posts at once; then the tied-embedding group, as ``warmup`` does."""
+        t = torch.zeros(1 << 16, device=device)
+        dist.all_reduce(t[:1], group=self.ring)
+        bufs = [torch.empty_like(t), torch.empty_like(t)]
+        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.ring), dist.P2POp(dist.irecv, bufs[0], self.prev_rank,
+                                                                                 self.ring),
+               dist.P2POp(dist.isend, t, self.prev_rank, self.ring), dist.P2POp(dist.irecv, bufs[1], self.next_rank,
+                                                                                 self.ring)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        if self.embed is not None:
+            dist.all_reduce(t[:1], group=self.embed)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -77,6 +100,9 @@ def make_pipeline_groups(pp_groups, rank: int, timeout=None) -> Optional[Pipelin
         if pos is not None and rank in embed_ranks:
             mine.embed = g
             mine.ordered.append((g, "all", None))
+        g = dist.new_group(list(ranks), **kwargs)
+        if pos is not None:
+            mine.ring = g
     return mine
 
 
@@ -87,8 +113,9 @@ def _p2p(op, t: torch.Tensor, peer: int, group):
 
 
 class StageComm:
-    """The transfers of one pipeline rank, one exchange per schedule op: the sends the previous op produced go out
-    together with the receive this op needs, and all of them complete before the rank computes again.
+    """The synchronous transfers of one pipeline rank (``overlap_p2p_comm=False``), one exchange per post of
+    ``schedules.phase_plan``: the sends the previous phase produced go out together with the receives this phase
+    needs, and all of them complete before the rank computes again.
 
     Completing them first is what NCCL requires of several communicators (its docs, "Using multiple NCCL
     communicators concurrently"): a receive kernel left waiting on the GPU while the host computes can be caught by an
@@ -117,3 +144,56 @@ class StageComm:
             w.wait()
         if any(t.is_cuda for _, t in sends + recvs):
             torch.cuda.current_stream().synchronize()  # see the class docstring: nothing left running on the GPU
+
+    # the executor's interface (OverlappedComm's): messages are (kind, microbatch, stage)
+    def post(self, index: int, sends: list, recvs: list) -> None:
+        self.exchange([(msg[0], t) for msg, t in sends], [(msg[0], buf) for msg, buf in recvs])
+
+    def wait(self, index: int) -> None:
+        pass  # post already completed it
+
+    def finish(self) -> None:
+        pass
+
+
+class OverlappedComm:
+    """The transfers of one pipeline rank that overlap its compute (``overlap_p2p_comm=True``), posted as
+    ``schedules.overlap_plan`` says: each post is one ``batch_isend_irecv`` on the pipeline's ``ring`` group, so a
+    post's transfers are one NCCL group launch that progresses as a whole, and a rank's posts complete one after
+    another on that communicator's stream. Under exactly these rules ``schedules.simulate_plans`` proves the plans
+    free of deadlock even when a host blocks on its pending receives at any moment (the implicit device
+    synchronisation that hung the first version, which prefetched each next op's input: a plan that check rejects).
+
+    An op waits only for the batch holding its input, and only on the GPU: ``Work.wait`` makes the current stream
+    wait for NCCL's, the host runs on and launches the op. Each batch's tensors stay referenced until it has been
+    waited for, so the caching allocator never hands a buffer NCCL still reads or writes to a later kernel.
+    Collectives on other communicators (EP all-to-all, DP gradient buckets) run while a batch is pending, as in
+    Megatron's ``overlap_p2p_comm``."""
+
+    def __init__(self, groups: PipelineGroups):
+        self.groups = groups
+        self._pending: deque = deque()  # (post index, works, tensors) not yet waited for, in posting order
+
+    def post(self, index: int, sends: list, recvs: list) -> None:
+        """``sends``: [(message, tensor)]; ``recvs``: [(message, buffer)]; returns at once."""
+        g = self.groups
+        ops = [(msg, dist.isend, t.detach().contiguous(), g.next_rank if msg[0] == "act" else g.prev_rank)
+               for msg, t in sends]
+        ops += [(msg, dist.irecv, buf, g.prev_rank if msg[0] == "act" else g.next_rank) for msg, buf in recvs]
+        # by message: the order in which the other end posts them too (schedules.plan_problems checks it), since
+        # NCCL matches a pair's messages in order and with pp = 2 one pair carries activations and gradients
+        ops.sort(key=lambda o: o[0])
+        works = dist.batch_isend_irecv([dist.P2POp(op, t, peer, g.ring) for _, op, t, peer in ops])
+        self._pending.append((index, works, [t for _, _, t, _ in ops]))
+
+    def wait(self, index: int) -> None:
+        """The current stream waits for post ``index`` and the ones before it (earlier on the same NCCL stream, so
+        this adds no delay); their tensors are released."""
+        while self._pending and self._pending[0][0] <= index:
+            for w in self._pending.popleft()[1]:
+                w.wait()
+
+    def finish(self) -> None:
+        while self._pending:
+            for w in self._pending.popleft()[1]:
+                w.wait()

@@ -11,6 +11,10 @@ backwards ``B`` of (microbatch, chunk). The schedules follow Megatron-LM:
 
 On every rank the forwards run in ``forward_order`` and the backwards in ``backward_order`` (the same on all ranks),
 which is what keeps the untagged FIFO point-to-point messages of the executor matched (see ``p2p_order_problems``).
+
+``exchange_plans`` says when the executor posts each message and what each op waits for, synchronously
+(``phase_plan``) or overlapped with compute (``overlap_plan``); ``simulate_plans`` proves a plan free of deadlock and
+mismatched messages and times it.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ def _warmup(schedule: str, pp: int, rank: int, num_microbatches: int, vpp: int |
     return min((pp - rank - 1) * 2 + (_vpp(vpp) - 1) * pp, total)
 
 
-def _validate(ops_by_rank: list[list[Op]], pp: int, vpp: int) -> None:
+def _validate(ops_by_rank: list[list[Op]], pp: int, vpp: int, paired: bool = True) -> None:
     if len(ops_by_rank) != pp:
         raise ValueError(f"got op lists for {len(ops_by_rank)} ranks, expected pp={pp}")
     for rank, ops in enumerate(ops_by_rank):
@@ -129,7 +133,7 @@ def _validate(ops_by_rank: list[list[Op]], pp: int, vpp: int) -> None:
             raise ValueError(f"rank {rank} runs an op twice: {ops}")
         fwd = {(op.microbatch, op.chunk) for op in ops if op.kind == "F"}
         bwd = {(op.microbatch, op.chunk) for op in ops if op.kind == "B"}
-        if fwd != bwd:  # a forward without backward leaks its activations; the reverse cannot run
+        if paired and fwd != bwd:  # a forward without backward leaks its activations; the reverse cannot run
             raise ValueError(f"rank {rank}: forwards and backwards differ in (microbatch, chunk): "
                              f"only F {sorted(fwd - bwd)}, only B {sorted(bwd - fwd)}")
 
@@ -271,59 +275,206 @@ def exchange_phases(schedule: str, pp: int, rank: int, num_microbatches: int,
             + [[k] for k in range(warmup + 2 * steady, 2 * total)])
 
 
-def simulate_rendezvous(schedule: str, pp: int, num_microbatches: int, vpp: int | None = None) -> None:
-    """``check_rendezvous`` for a schedule: RuntimeError if its exchanges can deadlock."""
-    ops = [build_schedule(schedule, pp, r, num_microbatches, vpp) for r in range(pp)]
-    phases = [exchange_phases(schedule, pp, r, num_microbatches, vpp) for r in range(pp)]
-    check_rendezvous(ops, phases, pp, vpp)
+def op_messages(op: Op, rank: int, pp: int, vpp: int | None = None) -> tuple[tuple | None, tuple | None]:
+    """(the message ``op`` receives, the message it sends), each ``(kind, microbatch, receiving virtual stage)`` or
+    None: a forward receives ``act`` from stage v - 1 and sends it to v + 1, a backward ``grad`` the other way."""
+    v, last = op.chunk * pp + rank, pp * _vpp(vpp) - 1
+    if op.kind == "F":
+        return ("act", op.microbatch, v) if v > 0 else None, ("act", op.microbatch, v + 1) if v < last else None
+    return ("grad", op.microbatch, v) if v < last else None, ("grad", op.microbatch, v - 1) if v > 0 else None
+
+
+def message_ranks(msg: tuple, pp: int) -> tuple[int, int]:
+    """(sender, receiver) pipeline ranks of a message."""
+    kind, _, v = msg
+    return (v - 1 if kind == "act" else v + 1) % pp, v % pp
+
+
+class ExchangePlan(NamedTuple):
+    """How one rank's executor moves its messages. ``posts[e]``: the ("send" | "recv", message) it posts together
+    (one batch) right before op ``e``; ``posts[len(ops)]`` after the last op. ``waits[i]``: the post whose batch
+    op ``i`` waits for before it computes (-1: none)."""
+    posts: list
+    waits: list
+
+
+def phase_plan(ops: list[Op], phases: list[list[int]], rank: int, pp: int, vpp: int | None = None) -> ExchangePlan:
+    """The synchronous executor: before each phase one exchange (the previous phase's sends and this phase's
+    receives) that completes before any op of the phase computes."""
+    posts: list[list] = [[] for _ in range(len(ops) + 1)]
+    waits = [-1] * len(ops)
+    for phase in phases:
+        for k in phase:
+            recv, send = op_messages(ops[k], rank, pp, vpp)
+            waits[k] = phase[0]
+            if recv:
+                posts[phase[0]].append(("recv", recv))
+            if send:
+                posts[phase[-1] + 1].append(("send", send))
+    return ExchangePlan(posts, waits)
+
+
+def overlap_plan(ops: list[Op], rank: int, pp: int, vpp: int | None = None, prefetch: bool = True) -> ExchangePlan:
+    """The overlapped executor: each op's output is posted right after the op, and each op waits only for the batch
+    that holds its own input, so transfers run while the rank computes. Where an input's receive is posted:
+
+    * ``prefetch=False`` (Megatron's non-interleaved 1F1B, ``send_forward_recv_backward`` and
+      ``send_backward_recv_forward``): right before the op, with the previous op's output;
+    * ``prefetch=True`` (Megatron's interleaved schedule with ``overlap_p2p_comm``): right after the previous op of
+      the same kind, so it arrives while the op in between computes; the first backward's right before it.
+    """
+    posts: list[list] = [[] for _ in range(len(ops) + 1)]
+    waits = [-1] * len(ops)
+    previous: dict[str, int] = {}
+    for j, op in enumerate(ops):
+        recv, send = op_messages(op, rank, pp, vpp)
+        if recv:
+            at = j
+            if prefetch and op.kind in previous:
+                at = previous[op.kind] + 1
+            elif prefetch and op.kind == "F":
+                at = 0
+            posts[at].append(("recv", recv))
+            waits[j] = at
+        if send:
+            posts[j + 1].append(("send", send))
+        previous[op.kind] = j
+    return ExchangePlan(posts, waits)
+
+
+# Prefetching deadlocks 1F1B (simulate_plans), which lacks interleaving's doubled warmup: with pp=2, m=3, rank 0
+# posts B1's receive right after B0 and rank 1 F2's right after F1; each batch completes only with the other rank's
+# next send (after its F2, after its B1), which it posts behind its own pending batch. Interleaved 1F1B's doubled
+# warmup pairs every batch with the neighbours' batches of the same step, so it prefetches, as Megatron does.
+PREFETCH = {"afab": True, "1f1b": False, "interleaved_1f1b": True}
+
+
+def exchange_plans(schedule: str, pp: int, num_microbatches: int, vpp: int | None = None, overlap: bool = False,
+                   train: bool = True) -> tuple[list[list[Op]], list[ExchangePlan]]:
+    """Every rank's ops (``build_schedule``; the forwards in ``forward_order`` when not ``train``) and the plan its
+    executor follows (``overlap_plan`` when ``overlap``, else ``phase_plan``; forward-only: one op per phase)."""
+    check_schedule(schedule, pp, num_microbatches, vpp)
+    fwd = [Op("F", mb, c) for mb, c in forward_order(pp, num_microbatches, vpp)]
+    ops = [build_schedule(schedule, pp, r, num_microbatches, vpp) if train else list(fwd) for r in range(pp)]
+    if overlap:
+        plans = [overlap_plan(o, r, pp, vpp, PREFETCH[schedule]) for r, o in enumerate(ops)]
+    else:
+        phases = [exchange_phases(schedule, pp, r, num_microbatches, vpp) if train else [[k] for k in range(len(o))]
+                  for r, o in enumerate(ops)]
+        plans = [phase_plan(o, ph, r, pp, vpp) for r, (o, ph) in enumerate(zip(ops, phases))]
+    return ops, plans
+
+
+def plan_problems(ops_by_rank: list[list[Op]], plans: list[ExchangePlan], pp: int, vpp: int | None = None) -> list[str]:
+    """What is wrong with the plans besides deadlocks; empty when nothing is. Every message is posted once by its
+    sender after the op producing it and once by its receiver no later than the op consuming it, which waits for it;
+    and on every (sender, receiver) pair both ends post their messages in the same order (by post, then by message
+    within a batch, the order the executor posts a batch in): NCCL matches a pair's untagged messages in order, and
+    for pp = 2 one pair carries both activations and gradients."""
+    problems = []
+    posted: dict[tuple[str, tuple], list] = {}
+    order: dict[tuple[str, int, int], list] = {}
+    for r, (ops, plan) in enumerate(zip(ops_by_rank, plans)):
+        if len(plan.posts) != len(ops) + 1 or len(plan.waits) != len(ops):
+            problems.append(f"rank {r}: {len(plan.posts)} posts and {len(plan.waits)} waits for {len(ops)} ops")
+            continue
+        at = {}
+        for e, post in enumerate(plan.posts):
+            for what, msg in sorted(post, key=lambda p: p[1]):
+                posted.setdefault((what, msg), []).append((r, e))
+                order.setdefault((what, *message_ranks(msg, pp)), []).append(msg)
+                at[(what, msg)] = e
+        for i, op in enumerate(ops):
+            recv, send = op_messages(op, r, pp, vpp)
+            if send and not at.get(("send", send), -1) > i:
+                problems.append(f"rank {r}: {op!r} sends {send} at post {at.get(('send', send))}, not after it")
+            if recv and not (recv_at := at.get(("recv", recv), len(ops) + 1)) <= plan.waits[i] <= i:
+                problems.append(f"rank {r}: {op!r} receives {recv} at post {recv_at} but waits for post "
+                                f"{plan.waits[i]}")
+    for (what, msg), where in sorted(posted.items()):
+        other = "recv" if what == "send" else "send"
+        if len(where) > 1 or (other, msg) not in posted:
+            problems.append(f"{msg} is posted as {what} at (rank, post) {where} and as {other} at "
+                            f"{posted.get((other, msg), [])}")
+    for (what, src, dst), msgs in sorted(order.items()):
+        got = order.get(("recv", src, dst), [])
+        if what == "send" and msgs != got:
+            k = next((i for i, (a, b) in enumerate(zip(msgs, got)) if a != b), min(len(msgs), len(got)))
+            problems.append(f"{src}->{dst}: message #{k} is sent as {msgs[k] if k < len(msgs) else None} but "
+                            f"received as {got[k] if k < len(got) else None}")
+    return problems
+
+
+def simulate_plans(ops_by_rank: list[list[Op]], plans: list[ExchangePlan], pp: int, vpp: int | None = None,
+                   f_time: float = 1.0, b_time: float = 2.0) -> dict:
+    """Check that the executors' plans cannot deadlock (RuntimeError naming the stuck ranks; also for any
+    ``plan_problems``) and time them with free communication; the result is ``simulate_ops``'s.
+
+    Deadlock model (rendezvous, no buffering, as NCCL): a batch completes once every peer has posted the matching
+    side; a rank's batches complete one after another (one NCCL stream); and a rank moves past a post only when that
+    batch has completed. The last rule is NCCL's worst case: a receive kernel left waiting while the host launches
+    more work can block that host at any moment (an implicit device synchronisation, e.g. a cudaFree or a module
+    load) until the kernel completes. A plan that passes completes however often that happens.
+
+    Timing (GPU time): a batch starts when its rank's compute reaches it and the previous batch has completed, a
+    message arrives when both of its batches have started, a batch completes with its last message, and an op starts
+    when its rank is free and the batch it waits for has completed (the executor waits on the GPU, not the host)."""
+    v = _vpp(vpp)
+    _validate(ops_by_rank, pp, v, paired=False)
+    problems = plan_problems(ops_by_rank, plans, pp, vpp)
+    if problems:
+        raise RuntimeError(f"exchange plans (pp={pp}, vpp={vpp}): " + "; ".join(problems))
+    where = {(what, msg): (r, e) for r, plan in enumerate(plans) for e, post in enumerate(plan.posts)
+             for what, msg in post}
+    start: dict[tuple[int, int], float] = {}  # (rank, post) -> when its batch started
+    upto: list[list[float]] = [[] for _ in range(pp)]  # per rank and post: when all its batches so far completed
+    pos, free = [0] * pp, [0] * pp  # next event per rank (2e: post e, 2e + 1: op e); end of its last op
+    timeline: list[list[tuple[Op, float, float]]] = [[] for _ in range(pp)]
+    busy = [0] * pp  # ints, so that Fraction times stay exact
+    while True:
+        progressed = False
+        for r, (ops, plan) in enumerate(zip(ops_by_rank, plans)):
+            while pos[r] <= 2 * len(ops):
+                e, is_op = divmod(pos[r], 2)
+                if is_op:
+                    op, w = ops[e], plan.waits[e]
+                    t = max(free[r], upto[r][w] if w >= 0 else 0)
+                    free[r] = t + (f_time if op.kind == "F" else b_time)
+                    timeline[r].append((op, t, free[r]))
+                    busy[r] += free[r] - t
+                else:
+                    done = upto[r][-1] if upto[r] else 0
+                    if plan.posts[e]:
+                        start.setdefault((r, e), max(free[r], done))
+                        peers = [where[("recv" if what == "send" else "send", msg)] for what, msg in plan.posts[e]]
+                        if any(p not in start for p in peers):
+                            break  # a peer has not posted its side yet
+                        done = max([start[(r, e)]] + [start[p] for p in peers])
+                    upto[r].append(done)
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] > 2 * len(ops) for r, ops in enumerate(ops_by_rank)):
+            break
+        if not progressed:
+            stuck = [f"rank {r} at post {pos[r] // 2}: {plans[r].posts[pos[r] // 2]}" for r in range(pp)
+                     if pos[r] <= 2 * len(ops_by_rank[r])]
+            raise RuntimeError("deadlock in the p2p exchanges: " + "; ".join(stuck))
+    makespan = max([max(u) if u else 0 for u in upto] + free)
+    return {"makespan": makespan, "busy": busy, "idle": [makespan - b for b in busy],
+            "bubble_fraction": 1 - sum(busy) / (pp * makespan) if makespan else 0.0, "timeline": timeline}
+
+
+def simulate_rendezvous(schedule: str, pp: int, num_microbatches: int, vpp: int | None = None,
+                        overlap: bool = False, train: bool = True) -> dict:
+    """``simulate_plans`` for the executor of a schedule (``exchange_plans``): RuntimeError if it can deadlock or
+    mismatch messages, else its timing with free communication."""
+    ops, plans = exchange_plans(schedule, pp, num_microbatches, vpp, overlap, train)
+    return simulate_plans(ops, plans, pp, vpp)
 
 
 def check_rendezvous(ops_by_rank: list[list[Op]], phases_by_rank: list[list[list[int]]], pp: int,
                      vpp: int | None = None) -> None:
-    """Check the executor's communication pattern cannot deadlock (RuntimeError naming the stuck ranks if it can).
-
-    The executor (``engine.PipelineEngine`` with ``p2p.StageComm``) runs one exchange before each phase of
-    ``exchange_phases``: the sends produced by the previous phase and the receives this phase needs, and waits until
-    all of them complete; one more exchange after the last phase sends what it produced. A send completes only once
-    its receiver has posted the matching receive, and a receive once its sender has posted the send (NCCL
-    rendezvous, no buffering assumed)."""
-    V = pp * _vpp(vpp)
-    last = V - 1
-    sent_at: dict = {}  # message -> (rank, exchange index)
-    recv_at: dict = {}
-    steps: list[list[list]] = []
-    for rank, (ops, phases) in enumerate(zip(ops_by_rank, phases_by_rank)):
-        ex: list[list] = [[] for _ in range(len(phases) + 1)]
-        for j, phase in enumerate(phases):
-            for k in phase:
-                op = ops[k]
-                v = op.chunk * pp + rank
-                step = 1 if op.kind == "F" else -1
-                kind = "act" if op.kind == "F" else "grad"
-                if (op.kind == "F" and v > 0) or (op.kind == "B" and v < last):
-                    recv_at[(kind, op.microbatch, v)] = (rank, j)
-                    ex[j].append(("recv", (kind, op.microbatch, v)))
-                if (op.kind == "F" and v < last) or (op.kind == "B" and v > 0):
-                    sent_at[(kind, op.microbatch, v + step)] = (rank, j + 1)
-                    ex[j + 1].append(("send", (kind, op.microbatch, v + step)))
-        steps.append(ex)
-    pos = [0] * pp
-
-    def ready(rank: int) -> bool:
-        for what, msg in steps[rank][pos[rank]]:
-            peer, k = (recv_at if what == "send" else sent_at)[msg]
-            if pos[peer] < k:  # the peer has not posted its side yet
-                return False
-        return True
-
-    while True:
-        moved = False
-        for r in range(pp):
-            while pos[r] < len(steps[r]) and ready(r):
-                pos[r] += 1
-                moved = True
-        if all(pos[r] == len(steps[r]) for r in range(pp)):
-            return
-        if not moved:
-            stuck = [f"rank {r} at exchange {pos[r]}: {steps[r][pos[r]]}" for r in range(pp) if pos[r] < len(steps[r])]
-            raise RuntimeError("deadlock in the p2p exchanges: " + "; ".join(stuck))
+    """``simulate_plans`` for synchronous exchanges before the given phases (``phase_plan``): RuntimeError naming
+    the stuck ranks if they can deadlock."""
+    plans = [phase_plan(ops, phases, r, pp, vpp) for r, (ops, phases) in enumerate(zip(ops_by_rank, phases_by_rank))]
+    simulate_plans(ops_by_rank, plans, pp, vpp)
