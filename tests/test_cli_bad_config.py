@@ -1,6 +1,6 @@
 """Bad configuration on the CLI: each out-of-range or wrongly typed field (model, strategy, data) stops
 ``lightning-moe fit`` before training, and before any rank process is spawned, with one error naming the field and
-what would work. An unknown model field suggests the nearest one."""
+what would work. An unknown key anywhere in the config suggests the nearest valid one."""
 
 from __future__ import annotations
 
@@ -48,4 +48,49 @@ def test_bad_value_names_the_field(arg, message, capsys, tmp_path):
         cli.main(args=args)
     shown = str(info.value) + capsys.readouterr().err
     assert message in shown, shown[-2000:]
+    assert not os.path.exists(tmp_path / "lightning_logs")  # nothing ran
+
+
+def _with(section, **keys):
+    """tiny.yaml with ``keys`` added at ``section`` (a path of dict keys and list indices)."""
+    import yaml
+    with open(TINY) as f:
+        cfg = yaml.safe_load(f)
+    node = cfg
+    for k in section:
+        node = node[k]
+    node.update(keys)
+    return cfg
+
+
+UNKNOWN = [  # (where, config with an unknown key or None, extra argument, the hint)
+    ("trainer", _with(["trainer"], max_stepz=1), None, "unknown key 'trainer.max_stepz': did you mean "
+                                                       "'trainer.max_steps'?"),
+    ("data", _with(["data"], seq_lenght=8), None, "unknown key 'data.seq_lenght': did you mean 'data.seq_length'?"),
+    ("model", _with(["model"], lrr=0.1), None, "unknown key 'model.lrr': did you mean 'model.lr'?"),
+    ("top_level", _with([], seed_everythin=1), None, "unknown key 'seed_everythin': did you mean 'seed_everything'?"),
+    ("strategy_init_args", _with(["trainer", "strategy", "init_args"], expert_paralel_size=2), None,
+     "unknown init_args key 'expert_paralel_size' of lightning_moe.MoEFoldStrategy: did you mean "
+     "'expert_parallel_size'?"),
+    ("callback_init_args", _with(["trainer", "callbacks", 0, "init_args"], windo=3), None,
+     "unknown init_args key 'windo' of lightning_moe.LossReport: did you mean 'window'?"),
+    ("model_overrides", _with(["model", "overrides"], num_expert=4), None,
+     "unknown fields 'num_expert' (did you mean 'num_experts'?)"),
+    ("command_line", None, "--data.batch_sise=3", "unknown key 'data.batch_sise': did you mean 'data.batch_size'?"),
+]
+
+
+@pytest.mark.parametrize("cfg,extra,hint", [u[1:] for u in UNKNOWN], ids=[u[0] for u in UNKNOWN])
+def test_unknown_key_suggests_the_nearest(cfg, extra, hint, capsys, tmp_path):
+    """An unknown key anywhere in the YAML config (trainer, data, model, the top level, a class's init_args, the
+    model's overrides) or on the command line stops the CLI with the nearest valid key (jsonargparse alone names
+    the key, and suggests nothing)."""
+    import yaml
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg if cfg is not None else _with([])))
+    args = ["fit", "--config", str(path), "--trainer.default_root_dir", str(tmp_path), D + f"cache_dir={tmp_path}"]
+    with pytest.raises((ValueError, SystemExit)) as info:
+        cli.main(args=args + ([extra] if extra else []))
+    shown = str(info.value) + capsys.readouterr().err
+    assert hint in shown, shown[-2000:]
     assert not os.path.exists(tmp_path / "lightning_logs")  # nothing ran

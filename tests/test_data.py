@@ -158,3 +158,81 @@ def test_token_ids_past_the_vocabulary_fail_before_training(tmp_path):
                                          r"vocab_size=256 \(model.overrides.vocab_size\)"):
         trainer.fit(MoELanguageModel(preset="tiny"), datamodule=dm)
     assert trainer.global_step == 0
+
+
+def test_empty_and_ragged_token_files_name_the_file(tmp_path):
+    """An empty file, or one that is not a whole number of tokens, stops the data module at construction (before any
+    process starts), naming the file; so does a file without the end-of-document token when packing documents."""
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"path: '.*empty.bin' holds 0 tokens, too short for one window of "
+                                         r"seq_length \+ 1 = 9"):
+        TokenDataModule(path=str(empty), seq_length=8)
+    ragged = tmp_path / "ragged.bin"
+    ragged.write_bytes(b"\x01\x00" * 20 + b"\x07")
+    with pytest.raises(ValueError, match=r"path: '.*ragged.bin' has 41 bytes, not a multiple of the uint16 size 2"):
+        TokenDataModule(path=str(ragged), seq_length=8)
+    no_eod = write_tokens(str(tmp_path / "no_eod.bin"), np.arange(1, 100))
+    with pytest.raises(ValueError, match=r"eod_token_id=0: '.*no_eod.bin' has no such token"):
+        TokenDataModule(path=no_eod, seq_length=8, pack_documents=True, eod_token_id=0).train_dataloader()
+
+
+class _Batches(L.Callback):
+    """(epoch, batch_idx) of every training batch, and the global step after it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((trainer.current_epoch, batch_idx, trainer.global_step))
+
+
+class _Finite(torch.utils.data.IterableDataset):
+    """A finite stream of ``n`` rows with no length: only exhausting it ends an epoch."""
+
+    def __init__(self, path, n, seq_length=16):
+        self.tokens, self.n, self.s = np.fromfile(path, dtype=np.uint16).astype(np.int64), n, seq_length
+
+    def __iter__(self):
+        for i in range(self.n):
+            w = torch.from_numpy(self.tokens[i * 7: i * 7 + self.s + 1])
+            yield {"input_ids": w[:-1], "labels": w[1:]}
+
+
+def _fit_moe(tmp_path, data, max_steps, accumulate=1, **strategy):
+    from lightning_moe import MoEFoldStrategy, MoELanguageModel
+    cb = _Batches()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEFoldStrategy(**strategy), max_steps=max_steps,
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[cb],
+                        default_root_dir=str(tmp_path))
+    model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=16, num_layers=1, hidden_size=32,
+                                                           num_attention_heads=2, num_kv_heads=2, ffn_hidden_size=64,
+                                                           moe_ffn_hidden_size=32, num_experts=4, topk=2), lr=1e-2)
+    kwargs = {"datamodule": data} if isinstance(data, L.LightningDataModule) else {"train_dataloaders": data}
+    trainer.fit(model, **kwargs)
+    return trainer, cb.seen, model
+
+
+def test_exhausting_the_data_ends_the_epoch_cleanly(tmp_path):
+    """max_steps beyond one epoch of a tiny dataset: each epoch ends when its batches run out and the next begins,
+    with the accumulation window cut at the epoch's end, until max_steps; every batch and step counted exactly, and
+    the weights stay finite. TokenDataModule (3 batches an epoch, the stream continuing) and a finite iterable with
+    no length (5 batches, the pipeline engine's micro-batches)."""
+    token_file = write_tokens(str(tmp_path / "bytes.bin"), np.random.default_rng(0).integers(0, 256, 4000))
+    dm = TokenDataModule(path=token_file, seq_length=16, batch_size=2, train_samples=6, val_batches=0)
+    trainer, seen, _ = _fit_moe(tmp_path, dm, max_steps=7)
+    # Lightning counts the epoch that max_steps cut short as completed: 2 full epochs + 1 started = 3
+    assert trainer.global_step == 7 and trainer.current_epoch == 3 and trainer.num_training_batches == 3
+    assert seen == [(e, b, 3 * e + b + 1) for e in range(3) for b in range(3)][:7]
+    # accumulating 2 over 3-batch epochs: a step after batches 1 and 2 of each epoch (the last one alone)
+    trainer, seen, _ = _fit_moe(tmp_path, dm, max_steps=5, accumulate=2)
+    assert trainer.global_step == 5 and trainer.current_epoch == 3
+    assert [(e, b) for e, b, _ in seen] == [(e, b) for e in range(3) for b in range(3)][:8]
+    assert [s for _, _, s in seen] == [0, 1, 2, 2, 3, 4, 4, 5]
+    loader = torch.utils.data.DataLoader(_Finite(token_file, 10), batch_size=2)
+    trainer, seen, model = _fit_moe(tmp_path, loader, max_steps=7, accumulate=2, num_microbatches=2)
+    assert trainer.global_step == 7 and trainer.current_epoch == 3
+    assert [(e, b) for e, b, _ in seen] == [(e, b) for e in range(3) for b in range(5)][:12]
+    assert [s for _, _, s in seen] == [0, 1, 1, 2, 3, 3, 4, 4, 5, 6, 6, 7]
+    assert all(torch.isfinite(p).all() for p in model.parameters())

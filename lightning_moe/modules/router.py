@@ -212,6 +212,9 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", None)
         # counts since the last optimizer step, for the bias update; persistent so a resume mid-accumulation is exact
         self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=True)
+        # training micro-batches since the last optimizer step whose logits held a NaN or an infinity: counted on the
+        # device (no host sync), read by the bias update and by MoEFoldStrategy at the step
+        self.register_buffer("nonfinite_logits", torch.zeros((), dtype=torch.float32), persistent=False)
         if cfg.load_balancing == "global_aux_loss":
             self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=True)
             self.register_buffer("global_aux_steps", torch.zeros((), dtype=torch.float32), persistent=True)
@@ -247,6 +250,7 @@ class TopKRouter(nn.Module):
         if training and not replay.replaying():  # a recomputation's replay must not count again
             with torch.no_grad():
                 self.local_tokens_per_expert += tokens_per_expert_E
+                self.nonfinite_logits += logits_TE.isfinite().all().logical_not()
 
         return RouterOutput(probs_TK=probs_TK, experts_TK=experts_TK, keep_TK=keep_TK, aux_loss=aux, z_loss=zl,
                             tokens_per_expert_E=tokens_per_expert_E, num_dropped=num_dropped)
@@ -317,11 +321,17 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
-        """Call once per optimizer step: nudge the expert bias from the counts since the last step, then reset them."""
+        """Call once per optimizer step: nudge the expert bias from the counts since the last step, then reset them.
+
+        A step whose logits held a NaN or an infinity on any rank of the layer routed by garbage: the bias stays as
+        it was. The flag travels in the counts' all-reduce and the choice is made on the device (no host sync)."""
         if self.cfg.expert_bias:
-            counts_E = self.ctx.all_reduce_(self.local_tokens_per_expert.clone(), "tp_dp_cp")
-            self.expert_bias.copy_(updated_expert_bias(self.expert_bias, counts_E, self.cfg.bias_update_rate))
+            both = self.ctx.all_reduce_(torch.cat([self.local_tokens_per_expert, self.nonfinite_logits.view(1)]),
+                                        "tp_dp_cp")
+            updated_E = updated_expert_bias(self.expert_bias, both[:-1], self.cfg.bias_update_rate)
+            self.expert_bias.copy_(torch.where(both[-1] > 0, self.expert_bias, updated_E))
         self.local_tokens_per_expert.zero_()
+        self.nonfinite_logits.zero_()
 
     def _apply(self, fn, recurse=True):
         # Router weights, logits, bias and counters are fp32 by design: module.to(bf16) (e.g. precision="bf16-true")

@@ -44,6 +44,7 @@ from lightning_moe.strategy.cuda_graphs import capture_blocks, release_blocks, u
 from lightning_moe.strategy.reshard import load_pieces, save_pieces
 from lightning_moe.strategy.grad_sync import GradSync, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
+from lightning_moe.strategy.liveness import Liveness, lost_after_for
 from lightning_moe.strategy.main_params import MainParams
 from lightning_moe.strategy.optimizer_options import OptimizerOptions
 from lightning_moe.strategy.optimizer_hooks import OptimizerHooks
@@ -59,6 +60,16 @@ def _batch_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
     batch = args[0] if args else kwargs["batch"]
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
     return batch, batch_idx
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    """A failed or timed-out collective (NCCL raises DistError subclasses, gloo plain RuntimeErrors)."""
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+        s in str(e) for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out")))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
@@ -89,7 +100,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             and let the optimizer step fp32 copies of the weights, as Megatron does with ``--bf16``. The default
             (None) turns this on whenever the optimizer holds bf16/fp16 parameters; False steps them in their own
             precision (plain Lightning ``bf16-true``). Checkpoints then hold the fp32 weights.
-        timeout: seconds (or timedelta) a collective may wait before failing, e.g. when another rank died.
+        timeout: seconds (or timedelta) a collective may wait before failing, e.g. when another rank hangs. A rank
+            whose process or host is gone is noticed sooner, after ``min(timeout / 2, 60 s)`` without a heartbeat
+            (``strategy/liveness.py``): every other rank then stops, naming it.
         process_group_backend: defaults to NCCL on CUDA and gloo on CPU.
         cuda_graphs: capture every transformer block's forward and backward in CUDA graphs at the first training
             batch (``strategy/cuda_graphs.py``): no host launch overhead inside the blocks. Needs CUDA, bf16 weights
@@ -200,8 +213,14 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                              "yet (a skipped step would leave the sharded optimizer's buckets half-way); use one")
         self.skip_nonfinite_steps, self.skipped_steps = skip_nonfinite_steps, 0
         self._nonfinite_in_a_row, self._last_grad_norm = 0, None
+        # routers' non-finite-logits flags: (name, module) list, this step's flags, and CUDA copies not read yet
+        self._router_modules: Optional[list] = None
+        self._router_flags: Optional[Tensor] = None
+        self._router_pending: list = []
+        self._biases_before: list = []  # (expert bias, its value before this step's update), with the guard on
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
+        self._liveness: Optional[Liveness] = None
         self.num_nodes = 1
         self.layout: Optional[Layout] = None
         # set up by setup_environment: the node of each global rank, the groups of each kind that span nodes
@@ -296,6 +315,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._check_placement()
+        self._start_liveness()
         self.parallel_context = ParallelContext.from_layout(
             self.layout, self.global_rank, sequence_parallel=self.sequence_parallel, timeout=self._timeout,
             pipeline_first_layers=self.pipeline_first_stage_layers,
@@ -321,8 +341,28 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             self._placement_warned = True
             rank_zero_warn(message)
 
+    def _start_liveness(self) -> None:
+        """Heartbeats through the rendezvous store (strategy/liveness.py): a lost rank is named, and no rank waits for
+        it in a collective until the timeout."""
+        if self.world_size < 2 or self._liveness is not None:
+            return
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            gen = store.add(f"moe_fold/liveness/activations/{self.global_rank}", 1)  # the same count on every rank
+            worker_store = store.clone()  # its own connection, used by the liveness worker thread alone
+        except (AttributeError, RuntimeError, NotImplementedError) as e:  # a store that cannot be shared so
+            rank_zero_warn(f"MoEFoldStrategy: no liveness heartbeats ({type(e).__name__}: {e}); a lost rank is "
+                           "noticed only when a collective fails or times out")
+            return
+        # torchrun's agent hosts the store itself; otherwise rank 0's process does (init_process_group's env://)
+        host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        self._liveness = Liveness(worker_store, self.global_rank, self.world_size, gen,
+                                  lost_after_for(self._timeout.total_seconds()), store_host_rank=host)
+        self._liveness.start()
+
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        self._router_modules, self._router_flags, self._router_pending = None, None, []
         self.accelerator.setup(trainer)
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
@@ -479,6 +519,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         of the rest; atomic, see strategy/checkpoint.py."""
         if storage_options is not None:
             raise TypeError("MoEFoldStrategy.save_checkpoint does not take storage_options")
+        self._check_router_flags(wait=True)  # never write the weights of a step with non-finite router logits
         path = self.broadcast(str(filepath))
         # the checkpoint's state_dict holds the fp32 main weights when in use (lightning_module_state_dict)
         pieces, rest = split_checkpoint(checkpoint, self.lightning_module, self.parallel_context, self.optimizers,
@@ -551,12 +592,25 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)
 
     def on_exception(self, exception: BaseException) -> None:
-        if isinstance(exception, (RuntimeError, dist.DistBackendError)) and _distributed_is_initialized():
+        comm = _is_collective_error(exception)
+        if self._liveness is not None:
+            # this rank failed rather than got lost; its own error (not a collective's) is the others' root cause
+            self._liveness.failed(f"{type(exception).__name__}: {_first_line(exception)}", root_cause=not comm)
+            if comm:  # which rank is gone (or failed first): a few heartbeat intervals at most
+                note = f"[moe_fold rank {self.global_rank}] {self._liveness.diagnose()}."
+                if exception.args and isinstance(exception.args[0], str):
+                    # Lightning re-raises this same exception object: its message now starts with the diagnosis
+                    exception.args = (f"{note} The collective's error: {exception.args[0]}", *exception.args[1:])
+                print(note, file=sys.stderr, flush=True)
+        elif comm and _distributed_is_initialized():
             print(f"[moe_fold rank {self.global_rank}] training failed: {type(exception).__name__}: {exception}\n"
                   f"  If a collective failed or timed out (timeout={self._timeout.total_seconds():.0f}s), another "
                   "rank probably died first: look at its log.", file=sys.stderr, flush=True)
 
     def teardown(self) -> None:
+        if self._liveness is not None:
+            self._liveness.stop()
+            self._liveness = None
         if self._graphs is not None:
             release_blocks(*self._graphs)
             self._graphs = None

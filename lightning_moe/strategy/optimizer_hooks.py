@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -60,6 +61,10 @@ class OptimizerHooks:
         if self._sharded is not None:
             self._sharded.sync_from_model()
 
+    def on_train_end(self) -> None:
+        self._check_router_flags(wait=True)  # a non-finite step at the very end still fails the run
+        super().on_train_end()
+
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         grad_sync = self._grad_sync
 
@@ -74,6 +79,14 @@ class OptimizerHooks:
                     self._sharded.attach_grads()
                 elif self._main_params is not None:
                     self._main_params.attach_grads(grad_sync.had_main_grad)
+            # every micro-batch of the step ran; the expert bias update (next, in on_before_optimizer_step) resets
+            # the routers' flags, so take them now
+            self._router_flags = self._take_router_flags()
+            if self.skip_nonfinite_steps is None:
+                self._check_router_flags()
+            else:  # a skipped step must not move the expert biases either: keep them to put back
+                self._biases_before = [(m.expert_bias, m.expert_bias.clone()) for _, m in self._routers()
+                                       if getattr(m, "expert_bias", None) is not None]
             return out
 
         if self.skip_nonfinite_steps is None:
@@ -82,30 +95,113 @@ class OptimizerHooks:
             out = self._guarded_step(optimizer, closure_then_sync, model, **kwargs)
         if self._main_params is not None:
             self._main_params.copy_to_model()
+        routers = self._routers()
+        if routers:  # also for modules that never call TopKRouter.update_expert_bias
+            torch._foreach_zero_([m.nonfinite_logits for _, m in routers])
         return out
 
+    # ------------------------------------------------------------------ non-finite router logits
+    def _routers(self) -> list:
+        """(name, module) of every router that counts its non-finite logits (TopKRouter.nonfinite_logits)."""
+        if self._router_modules is None:
+            self._router_modules = [(n, m) for n, m in self.lightning_module.named_modules()
+                                    if isinstance(getattr(m, "nonfinite_logits", None), torch.Tensor)]
+        return self._router_modules
+
+    def _take_router_flags(self) -> Optional[torch.Tensor]:
+        routers = self._routers()
+        return torch.stack([m.nonfinite_logits for _, m in routers]) if routers else None
+
+    def _router_names(self, flags: torch.Tensor, agree: bool) -> str:
+        """The routers whose flag is set, with their ranks (gathered from every rank when ``agree``): the failure path
+        only, so its host syncs and object collective cost nothing in training."""
+        mine = [(name, self.global_rank) for (name, _), bad in zip(self._routers(), flags.tolist()) if bad]
+        if agree and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            mine = [x for part in every for x in part]
+        ranks: dict[str, list[int]] = {}
+        for name, rank in mine:
+            ranks.setdefault(name, []).append(rank)
+        return ", ".join(f"{name} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})"
+                         for name, r in sorted(ranks.items()))
+
+    def _check_router_flags(self, wait: bool = False) -> None:
+        """Without skip_nonfinite_steps: stop the run on a step whose router logits held a NaN or an infinity.
+
+        On the CPU the flags are read at once, before the optimizer step. On CUDA, reading them would make the host
+        wait for the GPU once per step (the strategy syncs only with the guard on, whose check takes the flags), so
+        they go to pinned host memory without blocking and are read once the copy has landed, usually one step
+        later; ``wait`` reads everything pending (before a checkpoint is written, and at the end of training). The
+        expert bias never takes such a step either way (TopKRouter.update_expert_bias decides on the device)."""
+        flags, self._router_flags = self._router_flags, None
+        if flags is not None:
+            step = self.lightning_module.global_step
+            if flags.device.type != "cuda":
+                if bool(flags.any()):
+                    raise self._router_error(flags, step, "before its optimizer step")
+            else:
+                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                host.copy_(flags, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record()
+                self._router_pending.append((step, host, landed))
+        while self._router_pending and (wait or self._router_pending[0][2].query()):
+            step, host, landed = self._router_pending.pop(0)
+            landed.synchronize()
+            if bool(host.any()):
+                self._router_pending.clear()
+                raise self._router_error(host, step, f"{self.lightning_module.global_step - step} step(s) later "
+                                                     "(read without stalling the GPU: the weights took those steps)")
+
+    def _router_error(self, flags: torch.Tensor, step: int, when: str) -> RuntimeError:
+        names = self._router_names(flags, agree=False)
+        return RuntimeError(f"MoEFoldStrategy: the router logits of {names} held a NaN or an infinity at step {step}, "
+                            f"stopping {when}; the expert bias kept its value. Look "
+                            "for what made that layer's input non-finite (learning rate, a loss spike, the data), or "
+                            "set MoEFoldStrategy(skip_nonfinite_steps=N) to skip such steps")
+
     def _guarded_step(self, optimizer, closure: Callable[[], Any], model, **kwargs: Any) -> Any:
-        """``skip_nonfinite_steps``: the optimizer steps only when the global gradient norm is finite (Megatron's
-        --check-for-nan-in-loss-and-grad, skipping rather than failing); N skips in a row stop the run."""
+        """``skip_nonfinite_steps``: the optimizer steps only when the global gradient norm is finite and no router's
+        logits held a NaN or an infinity (Megatron's --check-for-nan-in-loss-and-grad, skipping rather than failing);
+        a skipped step leaves the weights, the optimizer state and the expert biases as they were. N skips in a row
+        stop the run."""
         own = vars(optimizer).get("step")
         real_step = optimizer.step
+        self._biases_before = []
 
         def guarded(closure=None, **kw):
             loss = closure()  # forward, backward, gradient sync and clipping (which records the norm)
             norm = self._last_grad_norm if self._last_grad_norm is not None else self._grad_norm(optimizer)
             self._last_grad_norm = None
-            if bool(torch.isfinite(norm)):  # one host sync per step, only with the guard on
+            flags, self._router_flags = self._router_flags, None
+            if flags is None:
+                norm_bad, router_bad = not bool(torch.isfinite(norm)), 0.0  # one host sync per step, guard on only
+            else:
+                # the router flags join the decision, agreed by every rank: the logits may be non-finite on one rank
+                # only, and logits that overflow to infinity under sigmoid scoring can leave the gradients finite
+                verdict = torch.stack([torch.isfinite(norm).logical_not().float().reshape(()),
+                                       flags.sum().to(torch.float32)])
+                if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.all_reduce(verdict)
+                norm_bad, router_bad = verdict.tolist()  # the same single host sync per step
+            if not norm_bad and not router_bad:
                 self._nonfinite_in_a_row = 0
                 return real_step(closure=lambda: loss, **kw)
+            for bias, before in self._biases_before:  # the bias update ran (on_before_optimizer_step): undo it
+                bias.copy_(before)
             self._nonfinite_in_a_row += 1
             self.skipped_steps += 1
-            rank_zero_warn(f"MoEFoldStrategy: step {self.lightning_module.global_step} skipped, its gradient norm is "
-                           f"{float(norm)} ({self._nonfinite_in_a_row} in a row, {self.skipped_steps} in all)")
+            why = f"its gradient norm is {float(norm)}"
+            if router_bad:
+                why = f"the router logits of {self._router_names(flags, agree=True)} held a NaN or an infinity; {why}"
+            rank_zero_warn(f"MoEFoldStrategy: step {self.lightning_module.global_step} skipped, {why} "
+                           f"({self._nonfinite_in_a_row} in a row, {self.skipped_steps} in all)")
             if self._nonfinite_in_a_row >= self.skip_nonfinite_steps:
                 raise RuntimeError(f"MoEFoldStrategy(skip_nonfinite_steps={self.skip_nonfinite_steps}): "
                                    f"{self._nonfinite_in_a_row} optimizer steps in a row had a non-finite gradient "
-                                   "norm; stopping (the weights are those of the last finite step, and the last "
-                                   "checkpoint is intact)")
+                                   "norm or router logits; stopping (the weights are those of the last finite step, "
+                                   "and the last checkpoint is intact)")
             return loss
 
         optimizer.step = guarded

@@ -1,4 +1,5 @@
-"""MoEFoldStrategy on several gloo ranks: collectives, bad layouts, a dying rank, the unchanged user module."""
+"""MoEFoldStrategy on several gloo ranks: collectives, bad layouts, a rank killed, frozen or hung inside a dispatcher
+all-to-all or a pipeline exchange (the others stop in bounded time, naming it), the unchanged user module."""
 
 from __future__ import annotations
 
@@ -52,68 +53,210 @@ def test_collectives(tmp_path):
         assert r["is_distributed"]
 
 
-def _train(rank, world, tokens, root, model_kwargs, ep, die_at=None, timeout=30.0, hang=False):
+def _train(rank, world, tokens, root, model_kwargs, strategy_kwargs, timeout=30.0, fault=None):
+    """Train 4 steps. ``fault = (site, how, victim)``: from step 1 on, rank ``victim`` ``"exit"``s, ``"hang"``s,
+    is SIGKILLed (``"kill"``) or SIGSTOPped (``"stop"``) at ``site``: the start of a batch, or inside the dispatcher's
+    all-to-all or a pipeline exchange (sends and receives), half a second after entering it (the other ranks are
+    inside theirs)."""
+    import signal
+
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
+    from lightning_moe.strategy import comm
+    from lightning_moe.strategy.pipeline import p2p
 
-    class Die(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if die_at is not None and rank == 1 and batch_idx == die_at:
-                if hang:
-                    time.sleep(3600)  # alive but stuck: only the collective timeout can free rank 0
+    site, how, victim = fault or (None, None, None)
+    inside = []  # the fault site this rank is in, if its failure comes from there
+
+    def strike():
+        if rank == victim and trainer.global_step >= 1:
+            if how == "hang":
+                time.sleep(3600)  # alive but stuck: only the collective timeout can free the others
+            if how == "exit":
                 os._exit(3)  # a hard crash: no exception, no cleanup
+            time.sleep(0.5)
+            if how == "stop":  # a frozen process, like a vanished host: its sockets stay open
+                with open(os.path.join(root, "stopped_at"), "w") as f:
+                    f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MoEFoldStrategy(expert_parallel_size=ep,
-                                                                                    timeout=timeout),
+    def wrap(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            strike()
+            inside.append(site)
+            out = real(*args, **kwargs)
+            inside.pop()
+            return out
+        setattr(module, name, call)
+
+    if site in ("all_to_all", "p2p"):
+        wrap(*((comm, "all_to_all") if site == "all_to_all" else (p2p.StageComm, "exchange")))
+
+    class Strike(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if site == "batch_start":
+                strike()
+
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=MoEFoldStrategy(timeout=timeout,
+                                                                                    **strategy_kwargs),
                         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        callbacks=[Die()], default_root_dir=root, limit_val_batches=0)
-    model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=16, hidden_size=32, num_layers=1,
-                                                           moe_ffn_hidden_size=32, **model_kwargs))
+                        enable_model_summary=False, callbacks=[Strike()], default_root_dir=root,
+                        limit_val_batches=0)
+    model = MoELanguageModel(preset="tiny", overrides={**dict(seq_length=16, hidden_size=32, num_layers=1,
+                                                              moe_ffn_hidden_size=32), **model_kwargs})
     t0 = time.time()
     try:
         trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=16, batch_size=2))
     except Exception as e:  # noqa: BLE001 - reported to the test
-        return {"error": f"{type(e).__name__}: {e}", "elapsed": time.time() - t0}
+        return {"error": f"{type(e).__name__}: {e}", "elapsed": time.time() - t0, "failed_at": time.time(),
+                "inside": inside[-1:]}
     return {"error": None, "steps": trainer.global_step}
 
 
 def test_bad_num_experts_fails_before_training(tmp_path):
     tokens = make_tokens(str(tmp_path / "t.bin"))
-    res = run_ranks(_train, 2, tokens, str(tmp_path / "r"), dict(num_experts=3, topk=1, pre_softmax=True), 2, out_dir=str(tmp_path))
+    res = run_ranks(_train, 2, tokens, str(tmp_path / "r"), dict(num_experts=3, topk=1, pre_softmax=True),
+                    dict(expert_parallel_size=2), out_dir=str(tmp_path))
     for r in res:
         assert r["error"] and "num_experts=3" in r["error"] and "ep=2" in r["error"], r
 
 
-def _run_with_faulty_rank1(tmp_path, hang: bool, timeout: float):
-    from tests.parallel.harness import _entry, free_port
+def _logged_entry(rank, world, port, out_dir, fn, args):
+    """The harness's entry with this rank's stderr in ``rank<r>.err`` (a process ended by the supervisor leaves no
+    result, only its message)."""
+    from tests.parallel.harness import _entry
+    fd = os.open(os.path.join(out_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    _entry(rank, world, port, out_dir, fn, args)
+
+
+def _run_with_fault(tmp_path, fault, timeout, strategy_kwargs=None, model_kwargs=None, world=2):
+    """Start ``world`` ranks with ``fault``; wait (at most 120 s) for every rank but the victim. Returns
+    ``{rank: (result or None, exit code, stderr)}`` for the survivors, and the processes."""
+    from tests.parallel.harness import free_port
     tokens = make_tokens(str(tmp_path / "t.bin"))
+    root = tmp_path / "r"
+    root.mkdir()
     ctx = torch.multiprocessing.get_context("spawn")
-    args = (tokens, str(tmp_path / "r"), {}, 2, 2, timeout, hang)
+    args = (tokens, str(root), model_kwargs or {}, strategy_kwargs or dict(expert_parallel_size=2), timeout, fault)
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, 2, port, str(tmp_path), _train, args)) for r in range(2)]
+    procs = [ctx.Process(target=_logged_entry, args=(r, world, port, str(tmp_path), _train, args))
+             for r in range(world)]
     for p in procs:
         p.start()
-    procs[0].join(120)
-    survivor_alive = procs[0].is_alive()
+    survivors = [r for r in range(world) if r != fault[2]]
+    deadline = time.time() + 120
+    for r in survivors:
+        procs[r].join(max(0.0, deadline - time.time()))
+    ended_at = time.time()
+    alive = [r for r in survivors if procs[r].is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join()
-    assert not survivor_alive, "rank 0 hung instead of failing"
-    res0 = torch.load(tmp_path / "rank0.pt", weights_only=False)["value"]
-    assert res0["error"] is not None, "rank 0 finished training although rank 1 failed"
-    return res0, procs
+    assert not alive, f"ranks {alive} hung instead of failing"
+    out = {}
+    for r in survivors:
+        f = tmp_path / f"rank{r}.pt"
+        result = torch.load(f, weights_only=False) if f.exists() else None  # our own test output
+        assert result is None or result["ok"], f"rank {r} raised outside trainer.fit: {result['error']}"
+        result = result and result["value"]
+        assert result is None or result["error"] is not None, f"rank {r} finished training although a rank failed"
+        out[r] = (result, procs[r].exitcode, (tmp_path / f"rank{r}.err").read_text())
+    out["ended_at"] = ended_at
+    return out, procs
 
 
-def test_dead_rank_fails_the_others_quickly(tmp_path):
-    res0, procs = _run_with_faulty_rank1(tmp_path, hang=False, timeout=20.0)
-    assert procs[1].exitcode == 3
-    assert res0["elapsed"] < 20, res0
+def test_dead_rank_in_an_all_to_all_is_named_at_once(tmp_path):
+    """SIGKILL of rank 1 while rank 0 waits in the dispatcher's all-to-all (EP=2): rank 0 fails at once, its error
+    naming rank 1, a few heartbeat intervals later (0.5 s each here), not after the collective timeout."""
+    out, procs = _run_with_fault(tmp_path, ("all_to_all", "kill", 1), timeout=12.0)
+    res0, code0, err0 = out[0]
+    assert procs[1].exitcode == -9 and code0 == 0 and res0["inside"] == ["all_to_all"], (res0, procs[1].exitcode)
+    assert res0["error"].startswith("RuntimeError: [moe_fold rank 0] rank 1 is lost: its heartbeat stopped (its "
+                                    "process or its host is gone). The collective's error: "), res0
+    assert res0["elapsed"] < 6, res0  # well before the 12 s timeout (and lost_after, 6 s)
+    assert "[moe_fold rank 0] rank 1 is lost" in err0
+
+
+def test_dead_store_host_in_a_pipeline_exchange_is_named(tmp_path):
+    """SIGKILL of rank 0 (pipeline stage 0, and the host of the rendezvous store) inside a send while rank 1 waits
+    for its activations: rank 1 fails at once, naming rank 0."""
+    out, procs = _run_with_fault(tmp_path, ("p2p", "kill", 0), timeout=12.0,
+                                 strategy_kwargs=dict(pipeline_parallel_size=2, num_microbatches=2),
+                                 model_kwargs=dict(num_layers=2))
+    res1, code1, _ = out[1]
+    assert procs[0].exitcode == -9 and res1["inside"] == ["p2p"], (res1, procs[0].exitcode)
+    assert res1["error"].startswith("RuntimeError: [moe_fold rank 1] rank 0 is lost: the rendezvous store it hosts "
+                                    "does not answer. The collective's error: "), res1
+    assert res1["elapsed"] < 6, res1
+
+
+@pytest.mark.slow
+def test_frozen_rank_in_an_all_to_all_ends_the_others_before_the_timeout(tmp_path):
+    """SIGSTOP of rank 1 inside the all-to-all, like a host that vanished: no socket closes, so gloo would wait for
+    its 16 s timeout. The heartbeat watch ends rank 0 after lost_after = 8 s plus the grace, naming rank 1."""
+    out, _ = _run_with_fault(tmp_path, ("all_to_all", "stop", 1), timeout=16.0)
+    res0, code0, err0 = out[0]
+    stopped_at = float((tmp_path / "r" / "stopped_at").read_text())
+    assert res0 is None and code0 == 75, (res0, code0, err0[-2000:])
+    assert "[moe_fold rank 0] rank 1 is lost: no heartbeat for 8 s (its process or its host is gone). This rank " \
+           "stops now (exit code 75)" in err0, err0[-2000:]
+    assert 8 <= out["ended_at"] - stopped_at < 16, out["ended_at"] - stopped_at
 
 
 def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
-    res0, _ = _run_with_faulty_rank1(tmp_path, hang=True, timeout=5.0)
+    out, _ = _run_with_fault(tmp_path, ("batch_start", "hang", 1), timeout=5.0)
+    res0 = out[0][0]
     assert 4.0 <= res0["elapsed"] < 40, res0  # the configured 5 s, not forever
     assert "RuntimeError" in res0["error"] or "DistBackendError" in res0["error"], res0
+    assert "no rank is lost: every other rank still beats" in res0["error"], res0
+
+
+def _router_inf_on_rank1(rank, world, tokens, root):
+    import warnings
+
+    from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
+    from tests.strategy.test_nonfinite_guard import ROUTED, PoisonLogits
+    cb = PoisonLogits([1, 3, 4] if rank == 1 else [], lambda obj, name, value: setattr(obj, name, value), layer=0)
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[cb],
+                        strategy=MoEFoldStrategy(expert_parallel_size=2, skip_nonfinite_steps=2, timeout=30),
+                        default_root_dir=root)
+    lm = MoELanguageModel(preset="tiny", overrides=ROUTED, lr=1e-2, warmup_steps=1, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(lm, datamodule=TokenDataModule(path=tokens, seq_length=16, batch_size=2, seed=1))
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+    return {"error": error, "skipped": trainer.strategy.skipped_steps,
+            "warnings": [str(w.message) for w in caught if "skipped" in str(w.message)],
+            "router": [w["model.layers.0.ffn.router.weight"].tolist() for w in cb.weights],
+            "biases": [[b.tolist() for b in step] for step in cb.biases]}
+
+
+def test_router_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """An infinite router logit on rank 1 only (EP=2, with a finite loss and gradient norm everywhere): both ranks
+    skip the step together (the flags join the guard's one all-reduce), rank 0's warning names the layer on rank 1,
+    the replicated router weight and expert biases stay equal across ranks and unchanged by the skipped steps, and
+    two in a row stop both ranks at the same step."""
+    res = run_ranks(_router_inf_on_rank1, 2, make_tokens(str(tmp_path / "t.bin")), str(tmp_path / "r"),
+                    out_dir=str(tmp_path))
+    for r in res:
+        assert r["error"].startswith("MoEFoldStrategy(skip_nonfinite_steps=2): 2 optimizer steps in a row had a "
+                                     "non-finite gradient norm or router logits"), r["error"]
+        assert r["skipped"] == 3 and len(r["router"]) == 4  # steps 1, 3 and 4 skipped; 4 raised
+    assert res[0]["warnings"][0].startswith("MoEFoldStrategy: step 1 skipped, the router logits of "
+                                            "model.layers.0.ffn.router (rank 1) held a NaN or an infinity; its "
+                                            "gradient norm is "), res[0]["warnings"]
+    assert "nan" not in res[0]["warnings"][0] and len(res[0]["warnings"]) == 3
+    assert res[0]["router"] == res[1]["router"] and res[0]["biases"] == res[1]["biases"]
+    steps = res[0]["router"], res[0]["biases"]
+    for seq in steps:
+        assert seq[1] == seq[0] and seq[3] == seq[2] and seq[2] != seq[1]  # skipped at 1 and 3, stepped at 2
 
 
 def test_plain_user_module_trains_unchanged(tmp_path):
