@@ -307,8 +307,6 @@ def run_one(args, preset: str) -> dict:
                             enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[timer, opt_timer, *memory_callbacks],
                             default_root_dir=tmp)
-        if args.compile:
-            log("--compile is a placeholder: the model runs eagerly")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prof_cb = [ProfileSteps(args.profile, steps, args.gaps)] if args.profile else []
@@ -353,7 +351,7 @@ def run_one(args, preset: str) -> dict:
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
            "dispatcher": cfg.dispatcher + ("_sync_free" if cfg.sync_free_dispatch else ""), "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
-           "compile": False, "devices": args.devices, "recompute": args.recompute,
+           "devices": args.devices, "recompute": args.recompute,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
            "fp8_dispatch": args.fp8_dispatch, "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
@@ -387,7 +385,6 @@ def run_in_subprocess(args, preset: str) -> dict:
                             ("--fp8-format", args.fp8_format)):
             if value is not None:
                 cmd += [flag, str(value)]
-        cmd += ["--compile"] if args.compile else []
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
@@ -402,7 +399,7 @@ def run_in_subprocess(args, preset: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--preset", default=None,
                    help=f"comma-separated preset names (default {DEFAULT_PRESETS}; 'tiny' with --smoke); "
                         "several run one after another, each in a subprocess")
@@ -457,7 +454,6 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="with --fp8: FP8Training(fp8_dispatch=True), the token all-to-all in FP8 (alltoall dispatcher)")
     p.add_argument("--nvfp4", action="store_true", help="lightning_moe.NVFP4Training() (emulated on Hopper)")
-    p.add_argument("--compile", action="store_true", help="placeholder: accepted, the model runs eagerly")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="also write the JSON here")
