@@ -442,7 +442,7 @@ def main(argv=None) -> dict:
                    help="num_microbatches: --batch (per dp rank) is split into this many inside each step")
     p.add_argument("--schedule", default=None, help="pipeline schedule: 1f1b, interleaved_1f1b, afab")
     p.add_argument("--overlap-p2p", type=int, default=None, choices=[0, 1],
-                   help="MoEFoldStrategy(overlap_p2p_comm=...): pipeline transfers during compute (default: off)")
+                   help="MoEFoldStrategy(overlap_p2p_comm=...): pipeline transfers during compute (default: on)")
     p.add_argument("--experts", type=int, default=None, help="num_experts (default per preset)")
     p.add_argument("--first-k-dense", type=int, default=None, help="dense layers first (default per preset)")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")

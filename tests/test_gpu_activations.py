@@ -78,16 +78,51 @@ def _held_after_forward(callbacks):
     return held, reported
 
 
+def _offload(modules):
+    return lambda: [__import__("lightning_moe").ActivationOffload(modules, min_bytes=0)]
+
+
 @pytest.mark.parametrize("make", [
     lambda: [__import__("lightning_moe").Recompute(["moe_act", "layernorm"])],
     lambda: [__import__("lightning_moe").Recompute(["core_attn"])],
-    lambda: [__import__("lightning_moe").ActivationOffload(["expert_fc1"], min_bytes=0)],
-    lambda: [__import__("lightning_moe").ActivationOffload(OFFLOAD_ALL, min_bytes=0)],
-], ids=["recompute_moe_act_layernorm", "recompute_core_attn", "offload_expert_fc1", "offload_all"])
-def test_memory_falls_by_what_is_reported(make):
+    *[_offload([m]) for m in OFFLOAD_ALL],
+    _offload(OFFLOAD_ALL),
+], ids=["recompute_moe_act_layernorm", "recompute_core_attn", *[f"offload_{m}" for m in OFFLOAD_ALL], "offload_all"])
+def test_memory_falls_by_what_is_reported(make, request):
     _held_after_forward([])  # warm-up: cuBLAS' workspace and other one-time allocations must not count
     base, _ = _held_after_forward([])
     held, reported = _held_after_forward(make())
     print(f"held after forward {base / 2**20:.2f} -> {held / 2**20:.2f} MiB, reported {reported / 2**20:.2f} MiB")
-    assert reported > 0
-    assert base - held == pytest.approx(reported, rel=0.05, abs=2**20)
+    # the output projection's input may be the storage attention keeps as its output (backend-dependent): then
+    # offloading it alone moves nothing, and must report nothing
+    assert reported > 0 or request.node.callspec.id == "offload_attn_proj"
+    assert base - held == pytest.approx(reported, rel=0.05, abs=2**19)
+
+
+def test_lean_swiglu_and_router_gemm_match_autograd_on_gpu():
+    """``experts.swiglu`` and ``router.fp32_linear`` against autograd's composition on CUDA, bf16: bit-identical."""
+    import torch.nn.functional as F
+
+    from lightning_moe.modules.experts import swiglu
+    from lightning_moe.modules.router import fp32_linear
+    g = torch.Generator("cuda").manual_seed(0)
+    h = torch.randn(4096, 2 * 768, device="cuda", generator=g).bfloat16().requires_grad_()
+    gy = torch.randn(4096, 768, device="cuda", generator=g).bfloat16()
+    gate, up = h.chunk(2, -1)
+    y0 = F.silu(gate) * up
+    y0.backward(gy)
+    g0, h.grad = h.grad, None
+    y1 = swiglu(h)
+    y1.backward(gy)
+    assert torch.equal(y0, y1) and torch.equal(g0, h.grad)
+    x = torch.randn(8192, 2048, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = torch.randn(128, 2048, device="cuda", generator=g, requires_grad=True)
+    gl = torch.randn(8192, 128, device="cuda", generator=g)
+    with torch.autocast("cuda", enabled=False):
+        l0 = F.linear(x.float(), w.float())
+    l0.backward(gl)
+    gx0, gw0 = x.grad, w.grad
+    x.grad = w.grad = None
+    l1 = fp32_linear(x, w)
+    l1.backward(gl)
+    assert torch.equal(l0, l1) and torch.equal(gx0, x.grad) and torch.equal(gw0, w.grad)

@@ -62,10 +62,32 @@ class HostActivations:
         self.groups: list[list[_Offloaded]] = []
         self._used: set[int] = set()  # groups backward has started on
         self._seen: dict = {}
+        self._kept: dict = {}
 
     def new_group(self) -> None:
         self.groups.append([])
         self._seen = {}  # (storage address, bytes) -> (weakrefs to its saved views, its item), this block's
+        self._kept: dict = {}  # (storage address, bytes) -> weakrefs to its views saved on the device, this block's
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[int, int]:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+
+    def shared(self, t: torch.Tensor) -> Optional[_View]:
+        """A tensor saved outside the chosen modules: a view onto the host copy if its storage was moved already in
+        this block (so that the device memory is really freed), else None."""
+        seen = self._seen.get(self._key(t)) if self.groups else None
+        if seen is None or not any(ref() is not None for ref in seen[0]):
+            return None
+        seen[0].append(weakref.ref(t))
+        return _View(seen[1], t)
+
+    def note_kept(self, t: torch.Tensor) -> None:
+        """``t`` stays on the device: a later save of its storage inside a chosen module would free nothing, so it
+        stays too (attention keeps its output, which may be the storage of the output projection's input)."""
+        if self.groups and t.device.type == "cuda":
+            self._kept.setdefault(self._key(t), []).append(weakref.ref(t))
 
     def pack(self, t: torch.Tensor, name: str) -> tuple[Optional[_View], bool]:
         """``(view, new)``: ``t`` as a view onto the host copy of its storage (None: kept on the device), and whether
@@ -78,6 +100,8 @@ class HostActivations:
         if t.device.type != "cuda" or not spans or nbytes < self.min_bytes or not self.groups:
             return None, False  # kept on the device
         key = (storage.data_ptr(), nbytes)
+        if any(ref() is not None for ref in self._kept.get(key, ())):
+            return None, False  # an earlier save outside the chosen modules keeps this storage on the device
         seen = self._seen.get(key)
         if seen is not None and any(ref() is not None for ref in seen[0]):  # a view alive: the memory is that storage
             seen[0].append(weakref.ref(t))
@@ -125,7 +149,7 @@ class HostActivations:
         return t
 
     def clear(self) -> None:
-        self.groups, self._used, self._seen = [], set(), {}
+        self.groups, self._used, self._seen, self._kept = [], set(), {}, {}
 
 
 class ActivationOffload(L.Callback):

@@ -180,15 +180,22 @@ class SavedTensorPolicy:
             saved = _Saved(t)
             self.stats[hit[0].name] += saved.drop(*hit)
             return saved
-        if (not self._open and not self._offloading) or _is_weight(t):
-            return t  # the common case, kept as it is at the least cost (parameters are never moved)
-        saved = _Saved(t)
-        if self._offloading and self.offloader is not None:
-            moved, new = self.offloader.pack(t, self._offloading[-1])
+        weight = _is_weight(t)  # parameters are never moved
+        if self.offloader is not None and not weight:
+            # one storage may be saved inside and outside the chosen modules (attention's output and the output
+            # projection's input): it moves only if every save of it can follow it to the host
+            if self._offloading:
+                moved, new = self.offloader.pack(t, self._offloading[-1])
+            else:
+                moved, new = self.offloader.shared(t), False
             if moved is not None:
                 if new:
                     self.stats["offload:" + self._offloading[-1]] += t.numel() * t.element_size()
                 return moved
+            self.offloader.note_kept(t)
+        if (not self._open and not self._offloading) or weight:
+            return t  # the common case, kept as it is at the least cost
+        saved = _Saved(t)
         for inside in self._open:
             inside.append(saved)
         return saved

@@ -55,13 +55,40 @@ class GroupedMM(nn.Module):
         return grouped_mm(x_MK, w_LKN, offs_L)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` that keeps only its input for backward. Autograd's version also keeps ``silu(gate)``,
+    one more activation of the output's size (96 MiB per layer and micro-batch at the Qwen3 shape); backward
+    recomputes it, one elementwise pass. The gradients are the ops autograd would run, in the same order, so the
+    numbers are bit-identical (Megatron's fused bias-SwiGLU keeps its input only, too)."""
+
+    @staticmethod
+    def forward(ctx, h_M2F: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h_M2F)
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        return F.silu(gate_MF) * up_MF
+
+    @staticmethod
+    def backward(ctx, g_MF: torch.Tensor) -> torch.Tensor:
+        (h_M2F,) = ctx.saved_tensors
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        g_gate = torch.ops.aten.silu_backward(g_MF * up_MF, gate_MF)
+        return torch.cat([g_gate, g_MF * F.silu(gate_MF)], dim=-1)
+
+
+def swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[gate | up]`` (last dim), keeping only ``h_M2F`` for backward."""
+    if not torch.is_grad_enabled() or not h_M2F.requires_grad:
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        return F.silu(gate_MF) * up_MF
+    return _SwiGLU.apply(h_M2F)
+
+
 class SwiGLUActivation(nn.Module):
     """``silu(gate) * up`` of ``[gate | up]`` as a module (``experts.act``): what ``Recompute(["moe_act"])``
     recomputes instead of keeping."""
 
     def forward(self, h_M2F: torch.Tensor) -> torch.Tensor:
-        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-        return F.silu(gate_MF) * up_MF
+        return swiglu(h_M2F)
 
 
 class GroupedExperts(nn.Module):
@@ -126,5 +153,4 @@ class SwiGLU(nn.Module):
         self.w2 = RowParallelLinear(ffn, hidden, ctx, out_std, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(self.w13(x)))

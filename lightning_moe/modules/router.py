@@ -23,6 +23,32 @@ from lightning_moe.modules.init import fill_normal_
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 
+class _Fp32Linear(torch.autograd.Function):
+    """``x @ w.T`` in float32 that keeps ``x`` as it came (bf16) for backward, not its float32 copy: Megatron's
+    ``router_gating_linear``. Autograd's ``F.linear(x.float(), w)`` keeps the copy, twice the bytes of the norm
+    output it came from, and a copy that ``Recompute(["layernorm"])`` cannot drop. The gradients are the GEMMs
+    autograd runs for ``mm(x, w.t())`` (``mm_mat1/mat2_backward``, w.t() being column-major), so the numbers are
+    bit-identical."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        return torch.mm(_fp(x_TD), _fp(w_ED).t())
+
+    @staticmethod
+    def backward(ctx, g_TE: torch.Tensor):
+        x_TD, w_ED = ctx.saved_tensors
+        g_x = torch.mm(g_TE, _fp(w_ED)).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+        g_w = torch.mm(g_TE.t(), _fp(x_TD)).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        return g_x, g_w
+
+
+def fp32_linear(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """Router logits in float32 (autocast off) from a (T, D) input of any float dtype."""
+    with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        return _Fp32Linear.apply(x_TD, w_ED)
+
+
 def _fp(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32 or wider (bf16/fp16 logits are upcast; float64 is kept for gradcheck)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -223,8 +249,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor, num_sequences: int) -> RouterOutput:
         cfg = self.cfg
         x_TD = x_TD.reshape(-1, x_TD.shape[-1])
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        logits_TE = fp32_linear(x_TD, self.weight)
         training = self.training and torch.is_grad_enabled()
 
         want_aux = training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0

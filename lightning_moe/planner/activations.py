@@ -8,9 +8,10 @@ once per TP group and, under ETP, every row of its ETP group:
     attention   norm input (x, rstd), the norm output (gathered under SP: the q/k/v projections keep it whole),
                 q/k before their norm (Qwen3), q, k, v after RoPE and the attention output with its log-sum-exp
                 (flash attention keeps them; under CP k and v of the whole sequence)
-    MoE         the router's fp32 input, logits and scores; per routed copy the expert input (fc1), fc1's output,
-                silu(gate), the SwiGLU output (fc2's input) and fc2's output (the combine scales it)
-    dense MLP   its (gathered) input, [gate | up], silu(gate) and the SwiGLU output
+    MoE         the router's fp32 logits and scores (its input is the norm output, kept in bf16); per routed copy
+                the expert input (fc1), fc1's output, the SwiGLU output (fc2's input) and fc2's output (the combine
+                scales it). The SwiGLU keeps only its input (``experts.swiglu``), not silu(gate).
+    dense MLP   its (gathered) input, [gate | up] and the SwiGLU output
 
 ``moe_act`` recompute drops the SwiGLU output, ``layernorm`` the two norm outputs (docs/PERFORMANCE.md measured
 both); checkpointed modules (``moe``, ``mlp``, ``shared_experts``, ``full``) keep their input only and rebuild one
@@ -26,9 +27,9 @@ BF16, FP32 = 2, 4
 # a module's name in Recompute/ActivationOffload -> the terms below it removes
 RECOMPUTED = {"layernorm": ("attn_norm_out", "ffn_norm_out"), "core_attn": ("attn_out",), "moe_act": ("act_out",),
               "mla_up_proj": ("q", "kv"), "shared_experts": ("shared",), "mlp": ("mlp",),
-              "moe": ("router", "expert_fc1", "fc1_out", "silu", "act_out", "fc2_out", "shared")}
+              "moe": ("router", "expert_fc1", "fc1_out", "act_out", "fc2_out", "shared")}
 OFFLOADED = {"attn_norm": ("attn_norm_in",), "core_attn": ("q", "kv", "attn_out"), "attn_proj": ("attn_out",),
-             "mlp_norm": ("ffn_norm_in",), "expert_fc1": ("expert_fc1",), "moe_act": ("fc1_out", "silu")}
+             "mlp_norm": ("ffn_norm_in",), "expert_fc1": ("expert_fc1",), "moe_act": ("fc1_out",)}
 
 
 def _attention(cfg: ModelConfig, tp: int, cp: int) -> dict[str, float]:
@@ -57,17 +58,16 @@ def _ffn(cfg: ModelConfig, moe: bool, tp: int, etp: int) -> dict[str, float]:
     h, sp_input = cfg.hidden_size, (BF16 * cfg.hidden_size if tp > 1 else 0)  # SP: the gathered MLP input
     out = {"ffn_norm_in": (BF16 * h + FP32) / tp, "ffn_norm_out": BF16 * h / tp}
     if not moe:
-        out["mlp"] = sp_input + 4 * BF16 * cfg.ffn_hidden_size / tp
+        out["mlp"] = sp_input + 3 * BF16 * cfg.ffn_hidden_size / tp
         return out
     k, f, E = cfg.topk, cfg.moe_ffn_hidden_size, cfg.num_experts
-    out["router"] = (FP32 * h + 3 * FP32 * E) / tp
+    out["router"] = 3 * FP32 * E / tp
     out["expert_fc1"] = BF16 * h * k * etp / tp  # ETP: every row of the ETP group, at f / etp
     out["fc1_out"] = BF16 * 2 * f * k / tp
-    out["silu"] = BF16 * f * k / tp
     out["act_out"] = BF16 * f * k / tp
     out["fc2_out"] = BF16 * h * k / tp
     if cfg.shared_expert_ffn_size:
-        out["shared"] = sp_input + 4 * BF16 * cfg.shared_expert_ffn_size / tp
+        out["shared"] = sp_input + 3 * BF16 * cfg.shared_expert_ffn_size / tp
     return out
 
 

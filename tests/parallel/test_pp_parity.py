@@ -4,8 +4,8 @@ Trainer + MoEFoldStrategy against a 1-process reference that accumulates the sam
 Compared as in test_ep_parity.py: the loss of each of 3 steps, every gradient of step 1 on each stage (after sync,
 before clipping; the global norm for clipping at 0.5 spans the stages), every parameter and buffer after 3 steps.
 
-The cases run the overlapped transfers (``overlap_p2p_comm=True``); the ``_sync`` twins run the synchronous ones (the
-default), and on CPU both must give bitwise the same numbers.
+The cases run the overlapped transfers (``overlap_p2p_comm=True``, the default); the ``_sync`` twins run the synchronous
+ones, and both must give bitwise the same numbers (on gloo, and over NCCL on 2 GPUs).
 """
 
 from __future__ import annotations

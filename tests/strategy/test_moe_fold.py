@@ -45,7 +45,7 @@ def test_fewer_microbatches_than_stages_warns():
 
 def test_default_schedules():
     assert MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=4).pipeline_schedule == "1f1b"
-    assert MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=4).overlap_p2p_comm is False  # opt-in
+    assert MoEFoldStrategy(pipeline_parallel_size=2, num_microbatches=4).overlap_p2p_comm is True  # the default
     assert MoEFoldStrategy(pipeline_parallel_size=2, virtual_pipeline_size=2,
                            num_microbatches=4).pipeline_schedule == "interleaved_1f1b"
 
