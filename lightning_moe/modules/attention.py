@@ -28,13 +28,20 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[tor
     return angles_SDh.cos(), angles_SDh.sin()
 
 
-def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
-    """Rotate by the tables of shared positions (S, Dh) or of each row's own (B, S, Dh: packed documents)."""
-    if cos_SDh.dim() == 3:
+def apply_rope(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor,
+               per_row: bool = False) -> torch.Tensor:
+    """Rotate by the tables of shared positions (S, Dh) or of each row's own (B, S, Dh: packed documents).
+    ``per_row``: the tables are already shaped to broadcast against ``x``."""
+    if cos_SDh.dim() == 3 and not per_row:
         cos_SDh, sin_SDh = cos_SDh.unsqueeze(1), sin_SDh.unsqueeze(1)
     x1, x2 = x_BHSDh.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x_BHSDh.float() * cos_SDh + rotated.float() * sin_SDh).to(x_BHSDh.dtype)
+
+
+def apply_rope_bshd(x_BSHDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` for heads in the third dimension (B, S, H, Dh): the same operations, broadcast over heads."""
+    return apply_rope(x_BSHDh, cos_SDh.unsqueeze(-2), sin_SDh.unsqueeze(-2), per_row=True)
 
 
 class RotaryCache:
@@ -106,14 +113,18 @@ class Attention(nn.Module):
                 mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
         x_BSD = enter_tp_region(x_BSD, self.ctx)  # one all-gather (SP) for q, k and v
         B, S, _ = x_BSD.shape
-        q_BHSDh = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BGSDh = self.wk(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
-        v_BGSDh = self.wv(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        # q, k and v stay in (B, S, heads, Dh) memory and reach the kernel as transposed views: the kernels lay their
+        # output out like q, so the output projection's input below is a view of the output that attention keeps,
+        # not a second copy (64 MiB per layer and micro-batch at the Qwen3 shape, and a copy kernel each way)
+        q_BSHDh = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
+        k_BSGDh = self.wk(x_BSD).view(B, S, self.n_kv, self.head_dim)
+        v_BSGDh = self.wv(x_BSD).view(B, S, self.n_kv, self.head_dim)
         if self.q_norm is not None:
-            q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
+            q_BSHDh, k_BSGDh = self.q_norm(q_BSHDh), self.k_norm(k_BSGDh)
         cos, sin = self.rope(positions_S, S * self.ctx.cp)
-        q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, cos, sin), apply_rope(k_BGSDh, cos, sin)
-        o_BHSDh = self.core_attn(q_BHSDh, k_BGSDh, v_BGSDh, mask_B1SS=mask_B1SS)
+        q_BSHDh, k_BSGDh = apply_rope_bshd(q_BSHDh, cos, sin), apply_rope_bshd(k_BSGDh, cos, sin)
+        o_BHSDh = self.core_attn(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2),
+                                 mask_B1SS=mask_B1SS)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
