@@ -27,13 +27,24 @@ from lightning_moe.callbacks.wrap_forward import unwrap_forward, wrap_forward
 from lightning_moe.modules import replay
 
 
+# autograd nodes that only re-view or cast their one input: a saved tensor behind a chain of them is a parameter's
+_VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                 "UnsafeViewBackward0", "ExpandBackward0", "UnsqueezeBackward0", "AliasBackward0"}
+
+
 def _is_weight(t: torch.Tensor) -> bool:
-    """A parameter (a leaf that needs grad), or its dtype cast (autocast, ``w.to(dtype)``)."""
+    """A parameter (a leaf that needs grad), or a view or dtype cast of one (autocast, ``w.to(dtype)``, and the
+    ``w.t()`` that ``F.linear`` saves for inputs of more than two dimensions)."""
     if t.requires_grad and t.is_leaf:
         return True
     fn = t.grad_fn
-    return (fn is not None and type(fn).__name__ == "ToCopyBackward0" and len(fn.next_functions) == 1
-            and type(fn.next_functions[0][0]).__name__ == "AccumulateGrad")
+    for _ in range(4):  # a cast and a transpose, at most a few steps
+        if fn is None or type(fn).__name__ not in _VIEW_OR_CAST or len(fn.next_functions) != 1:
+            return False
+        fn = fn.next_functions[0][0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+    return False
 
 
 def _tensors(out) -> list:
