@@ -222,7 +222,7 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     B = max(1, T // SEQ) if T % SEQ == 0 else 1
     cfg = ModelConfig(hidden_size=h, num_experts=E, moe_ffn_hidden_size=f, topk=k, num_layers=1,
                       seq_length=T // B, compile_router=args.compile_router, router_fusion=not args.unfused,
-                      permute_fusion=not args.unfused, **shape["router"])
+                      permute_fusion=not args.unfused, router_dtype=args.router_dtype, **shape["router"])
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -266,7 +266,8 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
            "rows_per_expert_mean": rows / E, "rows_per_expert_max": int(counts_E.max()),
            "rows_per_expert_min": int(counts_E.min()), "imbalance_max_over_mean": imbalance,
            "routing": args.routing, "param_mode": param_mode, "compute_dtype": str(dtype),
-           "router": {"score_function": cfg.score_function, "load_balancing": cfg.load_balancing,
+           "router": {"dtype": cfg.router_dtype, "score_function": cfg.score_function,
+                      "load_balancing": cfg.load_balancing,
                       "aux_loss_coeff": cfg.aux_loss_coeff, "z_loss_coeff": cfg.z_loss_coeff,
                       "expert_bias": cfg.expert_bias},
            "expert_gemm_flops": flops, "finite": finite}
@@ -364,6 +365,8 @@ def main(argv=None) -> dict:
                         "bf16-mixed training (adds the weight casts)")
     p.add_argument("--tokens", type=int, default=None, help="override T for every shape")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
+    p.add_argument("--router-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="ModelConfig.router_dtype: the router GEMM in float32 or in bf16 with float32 logits")
     p.add_argument("--unfused", action="store_true",
                    help="router_fusion=False, permute_fusion=False: the torch reference router and permutes")
     p.add_argument("--precision", default="bf16",

@@ -23,6 +23,7 @@ ROUTERS = {
                         topk_scaling_factor=2.5, load_balancing="seq_aux_loss", z_loss_coeff=1e-3),
     "sigmoid_bias_global": dict(topk=4, score_function="sigmoid", expert_bias=True,
                                 load_balancing="global_aux_loss"),
+    "bf16_gemm": dict(topk=8, router_dtype="bf16", z_loss_coeff=1e-3),
     "capacity_probs": dict(topk=2, capacity_factor=1.0, drop_policy="probs"),
     "capacity_position": dict(topk=8, capacity_factor=0.7, drop_policy="position", z_loss_coeff=1e-3),
 }
@@ -79,3 +80,21 @@ def test_router_forward_has_no_host_sync():
         (out.probs_TK.sum() + out.aux_loss + out.z_loss).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("T,D,E", [(16384, 2048, 128), (4096, 7168, 256)])
+def test_bf16_router_gemm_matches_its_float32_emulation(T, D, E):
+    """``router_dtype="bf16"`` on CUDA (one ``mm(..., out_dtype=float32)``) against float32 products of the same bf16
+    values (the CPU path): forward and both gradients, within float32 accumulation-order error."""
+    from lightning_moe.modules.router import router_logits
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(E, D, device="cuda", generator=g) * 0.02).requires_grad_()
+    gl = torch.randn(T, E, device="cuda", generator=g) * 1e-3
+    out = router_logits(x, w, "bf16")
+    out.backward(gl)
+    xr, wr = x.detach().float(), w.detach().bfloat16().float()
+    g16 = gl.bfloat16().float()
+    torch.testing.assert_close(out, xr @ wr.t(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad, g16.t() @ xr, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad.float(), (g16 @ wr).bfloat16().float(), rtol=1e-2, atol=1e-5)

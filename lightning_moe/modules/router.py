@@ -49,6 +49,45 @@ def fp32_linear(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
         return _Fp32Linear.apply(x_TD, w_ED)
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 x bf16 -> float32 with float32 accumulation: one cuBLAS call on CUDA (``mm(..., out_dtype)``); elsewhere
+    the same products of the bf16 values, in float32."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+class _Bf16Linear(torch.autograd.Function):
+    """``x @ w.T`` of the bf16 input and the weight rounded to bf16, accumulated and returned in float32 (Megatron's
+    router GEMM in the input dtype, with float32 logits). Backward: the input gradient in bf16 (the incoming float32
+    gradient rounded to bf16, as the bf16 GEMM's would be), the weight gradient in float32."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        x16 = x_TD.to(torch.bfloat16)
+        ctx.save_for_backward(x16, w_ED)  # the parameter, not its bf16 copy: the saved-tensor hooks know parameters
+        ctx.x_dtype = x_TD.dtype
+        return _mm_f32(x16, w_ED.to(torch.bfloat16).t())
+
+    @staticmethod
+    def backward(ctx, g_TE: torch.Tensor):
+        x16, w_ED = ctx.saved_tensors
+        x_dtype, w_dtype, w16 = ctx.x_dtype, w_ED.dtype, w_ED.to(torch.bfloat16)
+        g16 = g_TE.to(torch.bfloat16)
+        g_x = torch.mm(g16, w16).to(x_dtype) if ctx.needs_input_grad[0] else None
+        g_w = _mm_f32(g16.t(), x16).to(w_dtype) if ctx.needs_input_grad[1] else None
+        return g_x, g_w
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, dtype: str = "fp32") -> torch.Tensor:
+    """The router's float32 logits: ``fp32_linear``, or with ``dtype="bf16"`` the bf16 GEMM (``_Bf16Linear``).
+    float64 inputs (gradcheck) always take the float32-or-wider path."""
+    if dtype == "bf16" and x_TD.dtype != torch.float64:
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            return _Bf16Linear.apply(x_TD, w_ED)
+    return fp32_linear(x_TD, w_ED)
+
+
 def _fp(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32 or wider (bf16/fp16 logits are upcast; float64 is kept for gradcheck)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -249,7 +288,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor, num_sequences: int) -> RouterOutput:
         cfg = self.cfg
         x_TD = x_TD.reshape(-1, x_TD.shape[-1])
-        logits_TE = fp32_linear(x_TD, self.weight)
+        logits_TE = router_logits(x_TD, self.weight, cfg.router_dtype)
         training = self.training and torch.is_grad_enabled()
 
         want_aux = training and cfg.load_balancing != "none" and cfg.aux_loss_coeff > 0

@@ -62,3 +62,28 @@ def test_router_gemm_keeps_the_input_not_its_float32_copy(dtype):
     assert torch.equal(l0, l1) and torch.equal(gx0, x.grad) and torch.equal(gw0, w.grad)
     assert lean_bytes == x.numel() * x.element_size()
     assert ref_bytes == x.numel() * 4  # the float32 copy (for fp32 input: x itself)
+
+
+def test_bf16_router_gemm_is_the_fp32_gemm_of_bf16_operands():
+    """``router_dtype="bf16"``: float32 logits of the bf16-rounded input and weight; input gradient in the input's
+    dtype from the gradient rounded to bf16; weight gradient in float32. On CPU the products run in float32."""
+    from lightning_moe.modules.router import router_logits
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(8, 32, generator=g, requires_grad=True)
+    gl = torch.randn(64, 8, generator=g)
+    logits = router_logits(x, w, "bf16")
+    logits.backward(gl)
+    w16 = w.detach().bfloat16().float()
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, x.detach().float() @ w16.t())
+    g16 = gl.bfloat16().float()
+    assert torch.equal(x.grad, (g16 @ w16).bfloat16())
+    assert torch.equal(w.grad, g16.t() @ x.detach().float())
+    assert not torch.equal(logits, router_logits(x, w, "fp32"))  # the weight's rounding shows
+
+
+def test_router_dtype_is_validated():
+    from lightning_moe.modules.config import ModelConfig
+    with pytest.raises(ValueError, match="router_dtype"):
+        ModelConfig(router_dtype="fp16").validate()
