@@ -23,7 +23,6 @@ ROUTERS = {
                         topk_scaling_factor=2.5, load_balancing="seq_aux_loss", z_loss_coeff=1e-3),
     "sigmoid_bias_global": dict(topk=4, score_function="sigmoid", expert_bias=True,
                                 load_balancing="global_aux_loss"),
-    "bf16_gemm": dict(topk=8, router_dtype="bf16", z_loss_coeff=1e-3),
     "capacity_probs": dict(topk=2, capacity_factor=1.0, drop_policy="probs"),
     "capacity_position": dict(topk=8, capacity_factor=0.7, drop_policy="position", z_loss_coeff=1e-3),
 }
