@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from lightning_moe.modules.attention import CoreAttention, RotaryCache, apply_rope, check_attention_tp
+from lightning_moe.modules.attention import CoreAttention, RotaryCache, apply_rope_bshd, check_attention_tp
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.init import fill_normal_
 from lightning_moe.modules.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
@@ -51,16 +51,18 @@ class MLAUpProjection(nn.Module):
                 positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, S, _ = c_BSC.shape
         H, N, R, V = attn.n_heads, attn.nope, attn.rope_dim, attn.v_dim
+        # built in (B, S, H, *) memory and handed over as transposed views: the attention kernel lays its output out
+        # like q, so the output projection's input is a view of the output attention keeps, not a copy
         q_BSX = attn.wq_b(q_in_BSX) if attn.cfg.q_lora_rank else attn.wq(q_in_BSX)
-        q_BHSK = q_BSX.view(B, S, H, N + R).transpose(1, 2)
-        kv_BHSX = attn.wkv_b(attn.kv_a_norm(c_BSC)).view(B, S, H, N + V).transpose(1, 2)
-        k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
+        q_BSHK = q_BSX.view(B, S, H, N + R)
+        kv_BSHX = attn.wkv_b(attn.kv_a_norm(c_BSC)).view(B, S, H, N + V)
+        k_nope_BSHN, v_BSHV = kv_BSHX.split([N, V], dim=-1)
         cos, sin = attn.rope(positions_S, S * attn.ctx.cp)
-        q_nope_BHSN, q_rope_BHSR = q_BHSK.split([N, R], dim=-1)
-        q_BHSK = torch.cat([q_nope_BHSN, apply_rope(q_rope_BHSR, cos, sin)], dim=-1)
-        k_rope_B1SR = apply_rope(k_rope_BSR.unsqueeze(1), cos, sin)
-        k_BHSK = torch.cat([k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)], dim=-1)
-        return q_BHSK, k_BHSK, v_BHSV
+        q_nope_BSHN, q_rope_BSHR = q_BSHK.split([N, R], dim=-1)
+        q_BSHK = torch.cat([q_nope_BSHN, apply_rope_bshd(q_rope_BSHR, cos, sin)], dim=-1)
+        k_rope_BS1R = apply_rope_bshd(k_rope_BSR.unsqueeze(2), cos, sin)
+        k_BSHK = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(B, S, H, R)], dim=-1)
+        return q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2)
 
 
 class MLAttention(nn.Module):
