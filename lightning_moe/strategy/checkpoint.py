@@ -98,11 +98,13 @@ def load_sharded(path, rank: int, world_size: int, layout: dict,
     checkpoint's ``model_dcp/``. ``agree(error or None)`` (collective) returns the first rank's error, so that a
     missing or corrupted shard on one rank fails every rank at once."""
     path = Path(path)
-    if not path.exists() and (is_sharded_checkpoint(path.with_name(path.name + ".tmp"))
-                              or is_sharded_checkpoint(path.with_name(path.name + ".old"))):
-        raise FileNotFoundError(f"checkpoint not found: {path}, but a save was interrupted between its final renames: "
-                                f"start training once more (it recovers the checkpoint) or rename {path.name}.tmp "
-                                f"(complete) or {path.name}.old (previous) to {path.name}")
+    if not path.exists():  # a save died between its two renames: read the newest complete copy where it lies (a
+        # complete .tmp is newer than the .old); the next save puts it in place (``_recover``). Nothing is renamed
+        # here: every rank reads, and none may move the files under the others
+        for candidate in (path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")):
+            if is_sharded_checkpoint(candidate):
+                path = candidate
+                break
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if not is_sharded_checkpoint(path):

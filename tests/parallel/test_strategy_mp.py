@@ -90,8 +90,13 @@ def _train(rank, world, tokens, root, model_kwargs, strategy_kwargs, timeout=30.
             return out
         setattr(module, name, call)
 
-    if site in ("all_to_all", "p2p"):
-        wrap(*((comm, "all_to_all") if site == "all_to_all" else (p2p.StageComm, "exchange")))
+    if site == "all_to_all":
+        wrap(comm, "all_to_all")
+    elif site == "p2p" and strategy_kwargs.get("overlap_p2p_comm", True):  # the overlapped executor (the default)
+        wrap(p2p.OverlappedComm, "post")  # posting a batch of sends and receives
+        wrap(p2p.OverlappedComm, "wait")  # and waiting for one
+    elif site == "p2p":
+        wrap(p2p.StageComm, "exchange")
 
     class Strike(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -180,11 +185,14 @@ def test_dead_rank_in_an_all_to_all_is_named_at_once(tmp_path):
     assert "[moe_fold rank 0] rank 1 is lost" in err0
 
 
-def test_dead_store_host_in_a_pipeline_exchange_is_named(tmp_path):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_dead_store_host_in_a_pipeline_exchange_is_named(tmp_path, overlap):
     """SIGKILL of rank 0 (pipeline stage 0, and the host of the rendezvous store) inside a send while rank 1 waits
-    for its activations: rank 1 fails at once, naming rank 0."""
+    for its activations: rank 1 fails at once, naming rank 0 (with the overlapped executor, the default, and the
+    synchronous exchanges)."""
     out, procs = _run_with_fault(tmp_path, ("p2p", "kill", 0), timeout=12.0,
-                                 strategy_kwargs=dict(pipeline_parallel_size=2, num_microbatches=2),
+                                 strategy_kwargs=dict(pipeline_parallel_size=2, num_microbatches=2,
+                                                      overlap_p2p_comm=overlap),
                                  model_kwargs=dict(num_layers=2))
     res1, code1, _ = out[1]
     assert procs[0].exitcode == -9 and res1["inside"] == ["p2p"], (res1, procs[0].exitcode)

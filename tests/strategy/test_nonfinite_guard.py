@@ -112,21 +112,16 @@ class PoisonLogits(L.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         from lightning_moe.modules import router
-        target, functional, steps = pl_module.model.layers[self.layer].ffn.router.weight, router.F, self.steps
+        target, original, steps = pl_module.model.layers[self.layer].ffn.router.weight, router.router_logits, self.steps
 
-        class Poisoned:  # torch.nn.functional, but for the target router's logits
-            def __getattr__(self, name):
-                return getattr(functional, name)
-
-            @staticmethod
-            def linear(x, w, *args):
-                out = functional.linear(x, w, *args)
-                if w is target and pl_module.training and trainer.global_step in steps:
-                    bump = torch.zeros_like(out)
-                    bump[0, 0] = float("inf")
-                    out = out + bump
-                return out
-        self.patch(router, "F", Poisoned())
+        def poisoned(x, w, *args):  # router.router_logits, but for the target router's logits
+            out = original(x, w, *args)
+            if w is target and pl_module.training and trainer.global_step in steps:
+                bump = torch.zeros_like(out)
+                bump[0, 0] = float("inf")
+                out = out + bump
+            return out
+        self.patch(router, "router_logits", poisoned)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.weights.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
