@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.context_parallel import context_parallel_attention
+from lightning_moe.modules.document_mask import Mask
 from lightning_moe.modules.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
                                                    mark_grad_sum_over_tp)
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -74,19 +75,19 @@ def check_attention_tp(cfg: ModelConfig, tp: int) -> None:
 
 
 class CoreAttention(nn.Module):
-    """Causal attention of rotated q, k and v (under CP with the K/V exchange; with a document mask for packed
-    sequences) as a module: the place that ``Recompute(["core_attn"])`` recomputes and
-    ``ActivationOffload(["core_attn"])`` offloads. No parameters."""
+    """Causal attention of rotated q, k and v (under CP with the K/V exchange; under packed documents' mask, dense or
+    a FlexAttention BlockMask: ``document_mask.py``) as a module: the place that ``Recompute(["core_attn"])``
+    recomputes and ``ActivationOffload(["core_attn"])`` offloads. No parameters."""
 
     def __init__(self, ctx: ParallelContext):
         super().__init__()
         self.ctx = ctx
 
     def forward(self, q_BHSE: torch.Tensor, k_BGSE: torch.Tensor, v_BGSF: torch.Tensor,
-                scale: float | None = None, mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float | None = None, mask: Mask | None = None) -> torch.Tensor:
         ctx = self.ctx
         return context_parallel_attention(q_BHSE, k_BGSE, v_BGSF, ctx.group("cp"), ctx.rank("cp"), ctx.cp,
-                                          scale=scale, mask=mask_B1SS)
+                                          scale=scale, mask=mask)
 
 
 class Attention(nn.Module):
@@ -109,8 +110,7 @@ class Attention(nn.Module):
         self.rope = RotaryCache(Dh, cfg.rope_theta, cfg.seq_length)
         self.core_attn = CoreAttention(ctx)
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor,
-                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
         x_BSD = enter_tp_region(x_BSD, self.ctx)  # one all-gather (SP) for q, k and v
         B, S, _ = x_BSD.shape
         # q, k and v stay in (B, S, heads, Dh) memory and reach the kernel as transposed views: the kernels lay their
@@ -124,7 +124,7 @@ class Attention(nn.Module):
         cos, sin = self.rope(positions_S, S * self.ctx.cp)
         q_BSHDh, k_BSGDh = apply_rope_bshd(q_BSHDh, cos, sin), apply_rope_bshd(k_BSGDh, cos, sin)
         o_BHSDh = self.core_attn(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2),
-                                 mask_B1SS=mask_B1SS)
+                                 mask=mask)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 

@@ -15,6 +15,7 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
 BUILTIN_DISPATCHERS = ("alltoall", "alltoall_dedup", "allgather", "deepep")
 ATTENTION_TYPES = ("gqa", "mla")
+DOCUMENT_ATTENTION = ("auto", "flex", "dense")
 
 
 @dataclass
@@ -73,6 +74,10 @@ class ModelConfig:
     # CUDA one kernel, 1.8x faster at the Qwen3 shape and 6.4x at DeepSeek-V3's, where the fp32 GEMM is most of the
     # router). Scoring, top-k and the losses run in float32 either way.
     router_dtype: Literal["fp32", "bf16"] = "fp32"
+    # packed documents' attention mask (modules/document_mask.py): "flex" a FlexAttention BlockMask (compiled on
+    # CUDA; on CPU eager and forward-only), "dense" a (B, 1, S, S) boolean mask for SDPA (O(S²) memory), "auto" flex
+    # on CUDA and dense elsewhere
+    document_attention: Literal["auto", "flex", "dense"] = "auto"
     compile_router: bool = False  # torch.compile the router's scoring math on CUDA (it is launch-bound: ~40 tiny ops)
     # Megatron's --moe-shared-expert-overlap: shared experts on a side CUDA stream while the router, the dispatch and
     # the routed experts run (their backward follows them there); in order on CPU
@@ -150,6 +155,8 @@ class ModelConfig:
             raise bad("num_kv_heads", f"{self.num_kv_heads} must divide num_attention_heads={self.num_attention_heads}")
         if self.attention_type not in ATTENTION_TYPES:
             raise bad("attention_type", f"unknown {self.attention_type!r}; choose from {ATTENTION_TYPES}")
+        if self.document_attention not in DOCUMENT_ATTENTION:
+            raise bad("document_attention", f"unknown {self.document_attention!r}; choose from {DOCUMENT_ATTENTION}")
         if self.router_dtype not in ("fp32", "bf16"):
             raise bad("router_dtype", f"unknown {self.router_dtype!r}; choose from ('fp32', 'bf16')")
         if self.score_function not in SCORE_FUNCTIONS:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_moe.modules.document_mask import Mask, document_attention
 from lightning_moe.strategy import comm
 
 
@@ -208,18 +209,17 @@ def zigzag_attention_local(q_BHsE, k_BHSE, v_BHSF, cp_size: int, cp_rank: int, s
 
 def context_parallel_attention(q_BHsE, k_BGsE, v_BGsF, group, cp_rank: int, cp_size: int,
                                scale: float | None = None, backend: str | None = None,
-                               mask: torch.Tensor | None = None) -> torch.Tensor:
+                               mask: Mask | None = None) -> torch.Tensor:
     """Causal attention for this rank's zig-zag tokens (q/k already rotated with their global positions).
-    ``mask`` (B, 1, s, S), True where a query may attend: packed documents, over every CP rank's keys."""
-    H, G, E = q_BHsE.shape[1], k_BGsE.shape[1], k_BGsE.shape[-1]
+    ``mask``: packed documents' (``document_mask.py``), over every CP rank's keys: a (B, 1, s, S) boolean tensor,
+    True where a query may attend, or a FlexAttention BlockMask of the same pairs."""
+    E = k_BGsE.shape[-1]
     if mask is not None:  # packed documents: keys of every rank in rank-major order (packed_context_parallel.py)
         if group is not None and cp_size > 1:
             kv_sBGD = torch.cat([k_BGsE, v_BGsF], -1).movedim(2, 0)
             k_BGsE, v_BGsF = comm.all_gather(kv_sBGD, group).movedim(0, 2).split([E, v_BGsF.shape[-1]], -1)
-        if G != H and q_BHsE.is_cuda:  # CUDA's masked (memory-efficient) kernel takes no GQA: K/V to every head
-            k_BGsE, v_BGsF = k_BGsE.repeat_interleave(H // G, 1), v_BGsF.repeat_interleave(H // G, 1)
-        return F.scaled_dot_product_attention(q_BHsE, k_BGsE, v_BGsF, attn_mask=mask, scale=scale,
-                                              enable_gqa=k_BGsE.shape[1] != H)
+        return document_attention(q_BHsE, k_BGsE, v_BGsF, mask, scale)
+    H, G = q_BHsE.shape[1], k_BGsE.shape[1]
     if group is None or cp_size == 1:
         return F.scaled_dot_product_attention(q_BHsE, k_BGsE, v_BGsF, is_causal=True, scale=scale,
                                               enable_gqa=G != H)

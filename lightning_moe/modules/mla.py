@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_moe.modules.attention import CoreAttention, RotaryCache, apply_rope_bshd, check_attention_tp
 from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.document_mask import Mask
 from lightning_moe.modules.init import fill_normal_
 from lightning_moe.modules.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tp_region,
                                                    mark_grad_sum_over_tp)
@@ -102,12 +103,11 @@ class MLAttention(nn.Module):
             fill_normal_(self.wq_a.weight, self.cfg.init_std, seed, f"{name}.wq_a.weight")
         fill_normal_(self.wkv_a.weight, self.cfg.init_std, seed, f"{name}.wkv_a.weight")
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor,
-                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
         x_BSD = enter_tp_region(x_BSD, self.ctx)
         B, S, _ = x_BSD.shape
         q_in_BSX = self.q_a_norm(self.wq_a(x_BSD)) if self.cfg.q_lora_rank else x_BSD
         c_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora, self.rope_dim], dim=-1)
         q_BHSK, k_BHSK, v_BHSV = self.up_proj(self, q_in_BSX, c_BSC, k_rope_BSR, positions_S)
-        o_BHSV = self.core_attn(q_BHSK, k_BHSK, v_BHSV, scale=self.scale, mask_B1SS=mask_B1SS)
+        o_BHSV = self.core_attn(q_BHSK, k_BHSK, v_BHSV, scale=self.scale, mask=mask)
         return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))

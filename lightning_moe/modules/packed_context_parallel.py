@@ -4,8 +4,9 @@ causal work stays balanced whatever the lengths. Documents must be padded to mul
 (``TokenDataModule(document_multiple=2 * cp)``).
 
 The K/V all-gather of ``context_parallel.py`` is kept: each rank attends its queries to every rank's keys, in rank-major
-order, under a mask that allows a key of the same document at an earlier or equal row position. The index arithmetic
-runs on the device from the document ids: no host sync.
+order, under a mask that allows a key of the same document at an earlier or equal row position (a dense boolean mask,
+or on CUDA a FlexAttention BlockMask: ``document_mask.py``). The index arithmetic runs on the device from the document
+ids: no host sync.
 
 Shapes: B rows, S row length, s = S / cp local tokens.
 """
@@ -55,12 +56,19 @@ def packed_zigzag_index(document_ids_BS: torch.Tensor, cp: int, rank: int) -> to
     return packed_order(document_ids_BS, cp)[:, rank * s:(rank + 1) * s]
 
 
-def packed_cp_mask(document_ids_BS: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's row positions (B, s); the mask (B, 1, s, S) of its queries over every rank's keys in rank-major
-    order, True where a query may attend: same document, key at or before the query)."""
+def packed_cp_tokens(document_ids_BS: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """The queries and keys of ``rank``'s attention: its row positions (B, s) and their document ids, and every
+    rank's row positions (B, S) in rank-major order and their document ids. A query may attend to a key of the same
+    document at or before its row position (both forms of ``document_mask.py`` read this)."""
     s = document_ids_BS.shape[1] // cp
     keys_BS = packed_order(document_ids_BS, cp)
     mine_Bs = keys_BS[:, rank * s:(rank + 1) * s]
-    doc_q_Bs, doc_k_BS = document_ids_BS.gather(1, mine_Bs), document_ids_BS.gather(1, keys_BS)
+    return mine_Bs, document_ids_BS.gather(1, mine_Bs), keys_BS, document_ids_BS.gather(1, keys_BS)
+
+
+def packed_cp_mask(document_ids_BS: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's row positions (B, s); the mask (B, 1, s, S) of its queries over every rank's keys in rank-major
+    order, True where a query may attend: same document, key at or before the query)."""
+    mine_Bs, doc_q_Bs, keys_BS, doc_k_BS = packed_cp_tokens(document_ids_BS, cp, rank)
     mask_BsS = (doc_q_Bs.unsqueeze(2) == doc_k_BS.unsqueeze(1)) & (keys_BS.unsqueeze(1) <= mine_Bs.unsqueeze(2))
     return mine_Bs, mask_BsS.unsqueeze(1)

@@ -17,7 +17,9 @@ from lightning_moe.documents import IGNORE
 from lightning_moe.modules.attention import build_attention, check_attention_tp
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.context_parallel import zigzag_positions, zigzag_shard
-from lightning_moe.modules.packed_context_parallel import check_document_lengths, packed_cp_mask, packed_zigzag_index
+from lightning_moe.modules.document_mask import Mask, build_document_mask, use_flex
+from lightning_moe.modules.document_mask import document_mask  # noqa: F401  (re-exported from its former home)
+from lightning_moe.modules.packed_context_parallel import check_document_lengths, packed_zigzag_index
 from lightning_moe.modules.experts import SwiGLU
 from lightning_moe.modules.init import init_weights
 from lightning_moe.modules.moe_layer import MoELayer
@@ -46,9 +48,10 @@ class Block(nn.Module):
                                                                           cfg.init_std, out_std, ctx)
 
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor,
-                mask_B1SS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions_S``: shared positions (S) or each row's (B, S); ``mask_B1SS``: packed documents' mask."""
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_S, mask_B1SS)
+                mask: Optional[Mask] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions_S``: shared positions (S) or each row's (B, S); ``mask``: packed documents' mask, a (B, 1, S, S)
+        tensor or a FlexAttention BlockMask (``document_mask.py``)."""
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_S, mask)
         if self.is_moe:
             y_BSD, aux = self.ffn(self.ffn_norm(x_BSD))
         else:
@@ -134,16 +137,20 @@ class MoETransformer(nn.Module):
         Packed documents (``TokenDataModule(pack_documents=True)``) give each row's positions and document ids:
         attention then stays within each document, under a mask built once here for all blocks."""
         S, cp, cp_rank = tokens_BS.shape[1], self.ctx.cp, self.ctx.rank("cp")
-        mask_B1SS, local = None, lambda t_BS: zigzag_shard(t_BS, cp, cp_rank)
-        if document_ids_BS is not None and cp > 1:  # every document in 2·cp chunks (packed_context_parallel.py)
-            check_document_lengths(document_ids_BS, cp)
-            mine_Bs, mask_B1SS = packed_cp_mask(document_ids_BS, cp, cp_rank)
-            local = lambda t_BS: t_BS.gather(1, mine_Bs)  # noqa: E731
-            positions = local(position_ids_BS if position_ids_BS is not None else
-                              torch.arange(S, device=tokens_BS.device).expand_as(tokens_BS))
-        elif document_ids_BS is not None:
-            mask_B1SS = document_mask(document_ids_BS)
-            positions = position_ids_BS if position_ids_BS is not None else torch.arange(S, device=tokens_BS.device)
+        mask, local = None, lambda t_BS: zigzag_shard(t_BS, cp, cp_rank)
+        if document_ids_BS is not None:  # under CP every document in 2·cp chunks (packed_context_parallel.py)
+            if cp > 1:
+                check_document_lengths(document_ids_BS, cp)
+            # dense (B, 1, s, S) on CPU; a BlockMask on CUDA, O(S²/128²) instead of O(S²) (document_mask.py)
+            mine_Bs, mask = build_document_mask(document_ids_BS, cp, cp_rank,
+                                                use_flex(self.cfg.document_attention, tokens_BS.device))
+            if mine_Bs is not None:
+                local = lambda t_BS: t_BS.gather(1, mine_Bs)  # noqa: E731
+                positions = local(position_ids_BS if position_ids_BS is not None else
+                                  torch.arange(S, device=tokens_BS.device).expand_as(tokens_BS))
+            else:
+                positions = position_ids_BS if position_ids_BS is not None else \
+                    torch.arange(S, device=tokens_BS.device)
         else:
             positions = zigzag_positions(S, cp, cp_rank, tokens_BS.device) if position_ids_BS is None \
                 else local(position_ids_BS)
@@ -152,8 +159,8 @@ class MoETransformer(nn.Module):
         aux = x_BSD.new_zeros((), dtype=torch.float32)
         for i in self.chunk_layers[chunk]:
             # the mask only when there is one: CUDA-graphed blocks take (x, positions)
-            x_BSD, layer_aux = self.layers[i](x_BSD, positions) if mask_B1SS is None else \
-                self.layers[i](x_BSD, positions, mask_B1SS)
+            x_BSD, layer_aux = self.layers[i](x_BSD, positions) if mask is None else \
+                self.layers[i](x_BSD, positions, mask)
             aux = aux + layer_aux
         if not self.is_last_chunk(chunk):
             return x_BSD, aux
@@ -208,14 +215,6 @@ class MoETransformer(nn.Module):
 
     def moe_layers(self) -> list[MoELayer]:
         return [blk.ffn for blk in self.layers if blk.is_moe]
-
-
-def document_mask(document_ids_BS: torch.Tensor) -> torch.Tensor:
-    """(B, 1, S, S), True where query i may attend to key j: j <= i within the same document."""
-    S = document_ids_BS.shape[1]
-    causal_SS = torch.ones(S, S, dtype=torch.bool, device=document_ids_BS.device).tril()
-    same_BSS = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
-    return (same_BSS & causal_SS).unsqueeze(1)
 
 
 def check_model_layout(cfg: ModelConfig, ctx_or_layout, pipeline_first_layers: Optional[int] = None,

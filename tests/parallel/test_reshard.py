@@ -76,9 +76,9 @@ CASES = [  # (save world, save layout) -> (load world, load layout)
 @pytest.mark.parametrize("save,load", CASES, ids=lambda c: f"w{c[0]}_" + "_".join(f"{k}{v}" for k, v in c[1].items()))
 def test_reshard(tmp_path, save, load):
     path = str(tmp_path / "ckpt")
-    run_ranks(_save, save[0], save[1], path, CFG, out_dir=str(tmp_path / "s"))
+    run_ranks(_save, save[0], save[1], path, CFG, out_dir=str(tmp_path / "s"), start_method="fork")
     assert os.path.isfile(os.path.join(path, ".metadata"))
-    results = run_ranks(_load, load[0], load[1], path, CFG, out_dir=str(tmp_path / "l"))
+    results = run_ranks(_load, load[0], load[1], path, CFG, out_dir=str(tmp_path / "l"), start_method="fork")
     for rank, r in enumerate(results):
         assert r["worst"] == 0.0, f"rank {rank}: max abs difference {r['worst']}"  # bit-exact
 
