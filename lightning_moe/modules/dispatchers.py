@@ -60,8 +60,8 @@ class AllToAllDispatcher(TokenDispatcher):
         return comm.all_gather_v(x_MD, etp_sizes, self.ctx.group("etp"))
 
     def dispatch_postprocess(self, x_MD, st):
-        if "send" not in st.extra:
-            return x_MD, st.tokens_per_expert_E
+        if "send" not in st.extra:  # EP = ETP = 1: laid out by dispatch_preprocess, padded to expert_rows_align
+            return x_MD, st.extra.get("sizes_E", st.tokens_per_expert_E)
         # rows arrive grouped by (source, local expert); the experts want them grouped by local expert, which the
         # counts alone give (on the device already: no host copy, no argsort)
         dest_M, sizes_L, R = resort_by_expert(st.extra["recv_SL"], x_MD.shape[0], self.cfg.expert_rows_align,
