@@ -153,8 +153,10 @@ def test_model_step_no_host_sync_no_recompile(over):
     model.layers[0].attn.core_attn.register_forward_hook(lambda m, a, kw, o: masks.append(type(kw["mask"])),
                                                          with_kwargs=True)
 
+    batches = [_packed_batch(i) for i in range(5)]  # made up front: their host-to-device copies synchronise
+
     def step(i):
-        tokens, pos_BS, doc_BS = _packed_batch(i)
+        tokens, pos_BS, doc_BS = batches[i]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits, aux = model(tokens[:, :-1], pos_BS, doc_BS)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_moe.modules import wgrad_fusion
 from lightning_moe.modules.init import fill_normal_, shard
 from lightning_moe.strategy.comm import all_gather, reduce_scatter
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -164,6 +165,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features // ctx.tp, in_features))
         self.weight.tp_shard_dim = 0
+        self.weight.wgrad_fusable = True  # GradSync may accumulate its gradient in the GEMM (wgrad_fusion.py)
         if parts > 1:
             self.weight.tp_parts = parts
 
@@ -184,7 +186,7 @@ class ColumnParallelLinear(nn.Module):
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The GEMM: the place where low-precision GEMMs are swapped in (``FP8Training``)."""
-        return F.linear(x, w)
+        return wgrad_fusion.linear(x, w)
 
 
 class RowParallelLinear(nn.Module):
@@ -202,6 +204,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = ctx.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // ctx.tp))
         self.weight.tp_shard_dim = 1
+        self.weight.wgrad_fusable = True
 
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:
@@ -214,7 +217,7 @@ class RowParallelLinear(nn.Module):
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The GEMM: the place where low-precision GEMMs are swapped in (``FP8Training``)."""
-        return F.linear(x, w)
+        return wgrad_fusion.linear(x, w)
 
 
 class VocabParallelEmbedding(nn.Module):

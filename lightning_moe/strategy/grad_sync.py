@@ -29,6 +29,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_moe.modules import wgrad_fusion
 from lightning_moe.strategy.comm import reduce_scatter_flat
 from lightning_moe.strategy.flat_shards import bucket_layout, owned_slice
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -71,11 +72,14 @@ class _GroupState:
 class GradSync:
     def __init__(self, params: Iterable[torch.nn.Parameter], ctx: ParallelContext, bucket_mb: float = 25.0,
                  overlap: bool = True, main_grads: bool = False, shard: bool = False,
-                 grad_dtype: Optional[torch.dtype] = torch.float32):
+                 grad_dtype: Optional[torch.dtype] = torch.float32, fuse_wgrad: bool = False):
         """``grad_dtype``: of the main-grad buffers (None: each bucket's parameter dtype, e.g. bf16 when the optimizer
-        steps bf16 weights). ``shard``: reduce-scatter (needs ``main_grads``)."""
+        steps bf16 weights). ``shard``: reduce-scatter (needs ``main_grads``). ``fuse_wgrad``: the dense linears'
+        weight-gradient GEMMs accumulate into the main grads themselves (``modules/wgrad_fusion.py``)."""
         if shard and not main_grads:
             raise ValueError("GradSync(shard=True) needs main_grads=True (flat gradient buffers)")
+        if fuse_wgrad and not main_grads:
+            raise ValueError("GradSync(fuse_wgrad=True) needs main_grads=True (the buffers the GEMMs write into)")
         self.ctx, self.overlap, self.main_grads, self.shard = ctx, overlap, main_grads, shard
         self.scale = 1.0 / (ctx.dp * ctx.cp)
         self.params = [p for p in params if p.requires_grad]
@@ -87,6 +91,7 @@ class GradSync:
         self._hooks = []
         self._seen: set[int] = set()  # params that received a gradient since the last finish() (main_grads mode)
         self.had_main_grad: set[int] = set()  # the same set, frozen by finish() for the optimizer step
+        self._fused: set[int] = set()  # params whose wgrad GEMM wrote main_grad since their hook last fired
         limit = bucket_mb * 2**20
         by_group: dict[str, list] = {"dp_cp": [], "tp_dp_cp": [], "edp": []}
         for p in reversed(self.params):  # roughly the order in which backward produces gradients
@@ -118,6 +123,13 @@ class GradSync:
                     self._bucket_of[id(p)] = b
                     if main_grads or overlap:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self.fused_params = []
+        if fuse_wgrad:
+            # not a tied weight: its other use's gradient would be summed with the placeholder before the hook
+            self.fused_params = [p for p in self.params if getattr(p, "wgrad_fusable", False)
+                                 and not getattr(p, "pp_tied", False) and id(p) in self._bucket_of]
+            for p in self.fused_params:
+                wgrad_fusion.attach(p, self)
 
     def _make_buffer(self, b: _Bucket, grad_dtype: Optional[torch.dtype]) -> None:
         numels = [p.numel() for p in b.params]
@@ -140,11 +152,13 @@ class GradSync:
     def discard(self) -> None:
         """Forget the main grads accumulated so far (the optimizer's ``zero_grad``): the next gradient overwrites."""
         self._seen.clear()
+        self._fused.clear()
 
     def release(self) -> None:
         """Drop the hooks and the main-grad buffers (end of training)."""
         self.remove_hooks()
         for p in self.params:
+            wgrad_fusion.detach(p)
             if hasattr(p, "main_grad"):
                 del p.main_grad
         for state in self.groups.values():
@@ -174,11 +188,21 @@ class GradSync:
             self._final = set()
         self._final.update(id(p) for p in params)
 
+    def accumulate_wgrad(self, p: torch.nn.Parameter, dy_TN: torch.Tensor, x_TK: torch.Tensor) -> None:
+        """A fused linear's backward: ``p.main_grad`` (+)= dy^T x; the first gradient of a step overwrites, as the
+        hook's copy would (a weight used twice in one backward adds its second)."""
+        first = id(p) not in self._seen and id(p) not in self._fused
+        wgrad_fusion.wgrad_into(p.main_grad, dy_TN, x_TK, first)
+        self._fused.add(id(p))
+
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self.main_grads:
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
-            if id(p) in self._seen:
+            if id(p) in self._fused:  # already in main_grad: p.grad is the fused GEMM's unread placeholder
+                self._fused.discard(id(p))
+                self._seen.add(id(p))
+            elif id(p) in self._seen:
                 p.main_grad.add_(p.grad)
             else:
                 p.main_grad.copy_(p.grad)

@@ -48,14 +48,19 @@ class OptimizerOptions:
     exp_avg_sq_dtype: Optional[torch.dtype] = None
     cpu_offload: float = 0.0
     bf16_main_params_asked: bool = False  # main_params_dtype='bf16' given (refused for fp32 weights: it would do nothing)
+    # the dense linears' wgrad GEMMs write into the main grads (modules/wgrad_fusion.py); None: wherever it can
+    gradient_accumulation_fusion: Optional[bool] = None
 
     @classmethod
     def parse(cls, distributed_optimizer, overlap_param_gather, fp32_main_params, main_params_dtype, exp_avg_dtype,
-              exp_avg_sq_dtype, optimizer_cpu_offload) -> "OptimizerOptions":
+              exp_avg_sq_dtype, optimizer_cpu_offload, gradient_accumulation_fusion=None) -> "OptimizerOptions":
         for name, v in (("distributed_optimizer", distributed_optimizer),
                         ("overlap_param_gather", overlap_param_gather)):
             if not isinstance(v, bool):
                 raise ValueError(f"MoEFoldStrategy({name}={v!r}): must be True or False")
+        if gradient_accumulation_fusion is not None and not isinstance(gradient_accumulation_fusion, bool):
+            raise ValueError(f"MoEFoldStrategy(gradient_accumulation_fusion={gradient_accumulation_fusion!r}): must be "
+                             "True, False or None (on wherever it applies)")
         main = parse_dtype("main_params_dtype", main_params_dtype)
         if main is not None:
             want = main == torch.float32
@@ -65,7 +70,8 @@ class OptimizerOptions:
             fp32_main_params = want
         avg, avg_sq = parse_dtype("exp_avg_dtype", exp_avg_dtype), parse_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
         return cls(distributed_optimizer, overlap_param_gather, fp32_main_params, avg, avg_sq,
-                   parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload), main == torch.bfloat16)
+                   parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload), main == torch.bfloat16,
+                   gradient_accumulation_fusion)
 
     @property
     def sharded(self) -> bool:
@@ -82,6 +88,19 @@ class OptimizerOptions:
             if d is not None and d != torch.float32:
                 out.update({k: d for k in keys})
         return out
+
+    def fuse_wgrad(self, main_grads: bool, cuda_graphs: bool) -> bool:
+        """Whether the dense wgrad GEMMs accumulate into the main grads: asked (True) or by default wherever main grads
+        exist outside CUDA graphs; refused, naming the option, where it cannot apply."""
+        asked = self.gradient_accumulation_fusion
+        if asked and not main_grads:
+            raise ValueError("MoEFoldStrategy(gradient_accumulation_fusion=True) needs main grads, i.e. bf16 weights "
+                             "(precision='bf16-true'): with fp32 weights autograd's gradient is already the fp32 one")
+        if asked and cuda_graphs:
+            raise ValueError("MoEFoldStrategy(gradient_accumulation_fusion=True) cannot run with cuda_graphs=True: a "
+                             "captured backward would replay one micro-batch's choice of overwriting or adding the "
+                             "main grads")
+        return main_grads and not cuda_graphs if asked is None else asked
 
     def check_state_dtypes(self, bf16_main_params: bool) -> None:
         """fp32 moments cannot be had where the optimizer steps bf16 main params."""

@@ -31,7 +31,7 @@ def check_pinned_memory(device: torch.device, fraction: float) -> None:
 
 
 def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: OptimizerOptions,
-                          device: torch.device, bucket_mb: float, overlap: bool
+                          device: torch.device, bucket_mb: float, overlap: bool, cuda_graphs: bool = False
                           ) -> tuple[GradSync, Optional[MainParams], Optional[ShardedOptimizer]]:
     """Before the optimizer has any state: ``(gradient sync, main params or None, sharded optimizer or None)``."""
     low = has_low_precision_params(optimizers)
@@ -42,7 +42,8 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
                          "(precision='bf16-true'); this model's optimized weights are fp32")
     if not options.sharded:
         main = MainParams(optimizers) if use_main else None
-        return GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main), main, None
+        return GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main,
+                        fuse_wgrad=options.fuse_wgrad(bool(use_main), cuda_graphs)), main, None
     if len(optimizers) != 1:
         raise ValueError(f"MoEFoldStrategy's distributed / precision-aware / offloaded optimizer drives one optimizer, "
                          f"got {len(optimizers)}")
@@ -50,5 +51,5 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
         check_pinned_memory(device, options.cpu_offload)
     # flat gradient buffers in the dtype the optimizer steps: fp32 with main params, else the weights' own
     sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=True, shard=options.distributed,
-                    grad_dtype=torch.float32 if use_main else None)
+                    grad_dtype=torch.float32 if use_main else None, fuse_wgrad=options.fuse_wgrad(True, cuda_graphs))
     return sync, None, ShardedOptimizer(module, optimizers[0], sync, ctx, options, bool(use_main), device)

@@ -1,0 +1,162 @@
+"""Gradient-accumulation fusion (``modules/wgrad_fusion.py``): the dense linears' weight-gradient GEMMs write or add
+their fp32 result straight into ``main_grad``; the hook drops the placeholder gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from lightning_moe.strategy.grad_sync import GradSync
+from lightning_moe.strategy.optimizer_options import OptimizerOptions
+from lightning_moe.strategy.parallel_context import ParallelContext
+
+
+def _pair(seed=0):
+    ctx = ParallelContext.single()
+    torch.manual_seed(seed)
+    col, row = ColumnParallelLinear(16, 32, ctx), RowParallelLinear(32, 16, ctx)
+    with torch.no_grad():
+        for m in (col, row):
+            m.weight.normal_(0, 0.3)
+    return col.to(torch.bfloat16), row.to(torch.bfloat16)
+
+
+def _micro(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, 5, 16, generator=g).to(torch.bfloat16), torch.randn(2, 5, 16, generator=g).to(torch.bfloat16))
+            for _ in range(n)]
+
+
+def _run(fuse: bool, steps=2):
+    col, row = _pair()
+    sync = GradSync(list(col.parameters()) + list(row.parameters()), ParallelContext.single(), main_grads=True,
+                    fuse_wgrad=fuse)
+    out = []
+    for _ in range(steps):
+        dxs = []
+        for i, (x, dy) in enumerate(_micro()):
+            x = x.clone().requires_grad_()
+            if i == 2:
+                sync.arm()
+            row(col(x)).backward(dy)
+            dxs.append(x.grad)
+        sync.finish()
+        out.append(([p.main_grad.clone() for p in (col.weight, row.weight)], dxs,
+                     [p.grad for p in (col.weight, row.weight)]))
+        sync.discard()
+    return out, sync, col, row
+
+
+def test_fused_wgrad_is_the_fp32_sum_of_the_micro_batches():
+    (step0, step1), sync, col, row = _run(True)
+    assert {id(p) for p in sync.fused_params} == {id(col.weight), id(row.weight)}
+    # the reference: each micro-batch's dy^T x from fp32 copies of the bf16 operands, summed in fp32
+    want_col, want_row = torch.zeros(32, 16), torch.zeros(16, 32)
+    for x, dy in _micro():
+        h = col(x)
+        dh = dy @ row.weight  # the fused backward's input gradient
+        want_row += dy.reshape(-1, 16).t().float() @ h.reshape(-1, 32).float()
+        want_col += dh.reshape(-1, 32).t().float() @ x.reshape(-1, 16).float()
+    for main_grads, _, grads in (step0, step1):  # the second step starts over (no stale accumulation)
+        assert torch.equal(main_grads[0], want_col) and torch.equal(main_grads[1], want_row)
+        assert grads == [None, None]  # the placeholder was dropped unread
+
+
+def test_input_gradients_equal_the_unfused_ones_and_main_grads_are_closer_to_float64():
+    (fused,), *_ = _run(True, steps=1)
+    (plain,), *_ = _run(False, steps=1)
+    for a, b in zip(fused[1], plain[1]):
+        assert torch.equal(a, b)
+    # float64 reference of the same bf16 weights and inputs
+    col, row = _pair()
+    c64, r64 = col.weight.double(), row.weight.double()
+    want_col, want_row = torch.zeros(32, 16, dtype=torch.float64), torch.zeros(16, 32, dtype=torch.float64)
+    for x, dy in _micro():
+        x, dy = x.double().reshape(-1, 16), dy.double().reshape(-1, 16)
+        h = x @ c64.t()
+        want_row += dy.t() @ h
+        want_col += (dy @ r64).t() @ x
+    for i, want in enumerate((want_col, want_row)):
+        err_fused = (fused[0][i].double() - want).abs().max()
+        err_plain = (plain[0][i].double() - want).abs().max()
+        assert err_plain > 0 and err_fused < err_plain, (i, err_fused, err_plain)  # bf16 rounding removed
+
+
+def test_a_weight_used_twice_in_one_backward_adds_both():
+    col, _ = _pair()
+    sync = GradSync(list(col.parameters()), ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+    x1, x2 = torch.randn(4, 16).to(torch.bfloat16), torch.randn(4, 16).to(torch.bfloat16)
+    sync.arm()
+    (col(x1).float().sum() + col(x2).float().sum()).backward()
+    sync.finish()
+    ones = torch.ones(4, 32)
+    want = ones.t() @ x1.float() + ones.t() @ x2.float()
+    torch.testing.assert_close(col.weight.main_grad, want, rtol=1e-6, atol=1e-6)
+
+
+def test_no_sink_without_fusion_and_release_detaches():
+    _, sync, col, row = _run(False, steps=1)
+    assert not sync.fused_params and not hasattr(col.weight, "main_grad_sink")
+    _, sync, col, row = _run(True, steps=1)
+    assert col.weight.main_grad_sink() is sync
+    sync.release()
+    assert not hasattr(col.weight, "main_grad_sink")
+
+
+def test_options_refuse_what_cannot_apply():
+    on = OptimizerOptions(gradient_accumulation_fusion=True)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True\) needs main grads"):
+        on.fuse_wgrad(main_grads=False, cuda_graphs=False)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True\) cannot run with cuda_graphs=True"):
+        on.fuse_wgrad(main_grads=True, cuda_graphs=True)
+    auto = OptimizerOptions()
+    assert auto.fuse_wgrad(True, False) and not auto.fuse_wgrad(False, False) and not auto.fuse_wgrad(True, True)
+    assert not OptimizerOptions(gradient_accumulation_fusion=False).fuse_wgrad(True, False)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_fusion='yes'\): must be True, False or None"):
+        OptimizerOptions.parse(False, True, None, None, None, None, 0.0, gradient_accumulation_fusion="yes")
+    with pytest.raises(ValueError, match="fuse_wgrad=True\\) needs main_grads=True"):
+        GradSync([], ParallelContext.single(), main_grads=False, fuse_wgrad=True)
+
+
+def test_trainer_bf16_true_fuses_the_dense_linears_and_trains_like_the_unfused_run(tmp_path):
+    from tests.strategy.test_main_params import _fit
+    losses, fused = {}, {}
+    for fuse in (None, False):  # None: the default, on with main grads
+        trainer, model = _fit(tmp_path / str(fuse), 4, gradient_accumulation_fusion=fuse,
+                              callbacks=[_Losses(losses.setdefault(fuse, []), fused.setdefault(fuse, set()))])
+        linears = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        assert len(linears) > 4 and fused[fuse] == ({id(w) for w in linears} if fuse is None else set()), fuse
+    a, b = torch.tensor(losses[None]), torch.tensor(losses[False])
+    assert len(a) == 8 and torch.isfinite(a).all()
+    # the same training up to the bf16 rounding of each micro-batch's dense weight gradient, which fusion removes
+    assert not torch.equal(a[2:], b[2:])
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=0)
+
+
+def test_strategy_refuses_fusion_without_main_grads(tmp_path):
+    import lightning as L
+
+    from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
+    from tests.parallel.parity import make_tokens
+    model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=32, num_layers=2, hidden_size=32,
+                                                           num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                                                           moe_ffn_hidden_size=32, num_experts=4, topk=2),
+                             log_expert_load=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEFoldStrategy(gradient_accumulation_fusion=True),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), limit_val_batches=0)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True\) needs main grads"):
+        trainer.fit(model, datamodule=TokenDataModule(path=make_tokens(str(tmp_path / "t.bin")), seq_length=32,
+                                                      batch_size=4))
+
+
+class _Losses:
+    def __new__(cls, out, fused):
+        import lightning as L
+
+        class Cb(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                out.append(float(outputs["loss"]))
+                fused.update(id(p) for p in trainer.strategy._grad_sync.fused_params)
+        return Cb()
