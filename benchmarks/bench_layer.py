@@ -8,10 +8,7 @@ For each named shape this times, in one process:
   (c) ``loop`` (``--with-loop``, qwen3 shape only): the same block as a Python loop over experts;
   (d) ``--precision fp8-<recipe>[,...]``: (a) and (b) again with the experts' grouped GEMMs in FP8 (``FP8Training``'s
       ``fp8_grouped_mm``; ``fp8-<recipe>-hybrid`` keeps E5M2 gradients), with their speed-up over bf16 from this run.
-      ``fp8-rowwise-torchao``: on torchao's rowwise MoE kernels (``FP8Training(grouped_kernels="torchao")``), the
-      layer's dispatcher then laying out 16-row groups (``expert_rows_align=16``) and the bare block getting each
-      expert's rows rounded up to 16 (no change under balanced routing). FLOPs are counted as in bf16 on the routed
-      rows (padding rows not counted), as Megatron counts them.
+      FLOPs are counted as in bf16, as Megatron counts them.
 Throughput counts the expert GEMMs only: ``18 * rows * h * f`` FLOPs (fwd 6·rows·h·f, x3 for fwd+bwd), rows = T*k,
 so ``ratio = bare_ms / layer_ms`` is the layer's throughput as a fraction of the kernel limit.
 
@@ -45,7 +42,6 @@ import torch.nn.functional as F
 from common import elapsed_ms, emit, env_info, log, peak_memory, pick_device, stamp, sync, tflops, time_fn
 from torch import nn
 
-from lightning_moe.modules import fp8_torchao
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.fp8 import RECIPES
 from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
@@ -177,24 +173,11 @@ def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
 
 
 def fp8_specs(precision: str) -> tuple:
-    """``fp8-<recipe>[-hybrid|-torchao]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3
-    gradients unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel."""
+    """``fp8-<recipe>[-hybrid]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3 gradients
+    unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel."""
     parts = precision.split("-")
     recipe, fmt = parts[1], "hybrid" if parts[-1] == "hybrid" else "e4m3"
-    kernels = "torchao" if parts[-1] == "torchao" else "torch"
-    return (FP8Spec(recipe, fp8_format=fmt, grouped_kernels=kernels),
-            FP8Spec(recipe, fp8_format=fmt, grouped_kernels=kernels))
-
-
-ALIGN = 16  # torchao's grouped GEMM: every expert's group of rows a multiple of 16
-
-
-def aligned_groups(layer: MoELayer, x_BSD: torch.Tensor, amp) -> bool:
-    """Whether the layer's dispatcher hands its experts groups of multiples of ALIGN rows (one untimed dispatch)."""
-    with torch.no_grad(), amp():
-        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        _, sizes_L, _ = layer.dispatcher.dispatch(x_TD, layer.router(x_TD, num_sequences=x_BSD.shape[0]))
-    return bool((sizes_L % ALIGN == 0).all())
+    return FP8Spec(recipe, fp8_format=fmt), FP8Spec(recipe, fp8_format=fmt)
 
 
 def loop_block(x_MD, w13_EDF2, w2_EFD, bounds: list[int]):
@@ -297,22 +280,13 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     fp8_layers = {}
     for precision in args.fp8:  # the same layer with its expert GEMMs swapped to FP8
         spec1, spec2 = fp8_specs(precision)
-        if spec1.grouped_kernels == "torchao":  # torchao takes the dispatcher's layout as it is: 16-row groups, zero rows between
-            layer.dispatcher.cfg = cfg.replace(expert_rows_align=ALIGN)
-            if not aligned_groups(layer, x_BSD, amp):
-                fp8_layers[precision] = {"error": f"the {cfg.dispatcher} dispatcher handed the experts groups that "
-                                                  f"are not multiples of {ALIGN} rows with expert_rows_align={ALIGN}"}
-                layer.dispatcher.cfg = cfg
-                continue
         layer.experts.fc1._mm = lambda x, w, offs, s=spec1: fp8_grouped_mm(x, w, offs, s)
         layer.experts.fc2._mm = lambda x, w, offs, s=spec2: fp8_grouped_mm(x, w, offs, s)
         t = time_fn(layer_step, device, args.iters, args.warmup, layer_tensors, args.timer)
         t.update(peak_memory(layer_step, device, layer_tensors))
         t["tflops"] = tflops(flops, t["median_ms"])
-        t["expert_rows_align"] = layer.dispatcher.cfg.expert_rows_align
         fp8_layers[precision] = t
         del layer.experts.fc1._mm, layer.experts.fc2._mm
-        layer.dispatcher.cfg = cfg
 
     runs = []
     for i in range(args.split_iters + 1):
@@ -344,24 +318,16 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     t_bare["tflops"] = tflops(flops, t_bare["median_ms"])
     rec["bare"] = t_bare
     rec["ratio_layer_over_bare"] = t_bare["median_ms"] / t_layer["median_ms"]
-    padded = [-(-c // ALIGN) * ALIGN for c in counts_list]
     for precision, t_fp8_layer in fp8_layers.items():
         spec1, spec2 = fp8_specs(precision)
-        x_, g_, offs_ = x_MD, g_MD, offs_E
-        if spec1.grouped_kernels == "torchao" and padded != counts_list:  # groups of multiples of 16 rows
-            x_ = torch.randn(sum(padded), h, device=device, dtype=dtype, requires_grad=True)
-            g_ = torch.randn(sum(padded), h, device=device, dtype=dtype)
-            offs_ = torch.tensor(padded, device=device).cumsum(0).to(torch.int32)
 
-        def fp8_step(s1=spec1, s2=spec2, x_=x_, g_=g_, offs_=offs_):
-            fp8_block(x_, w13, w2, offs_, s1, s2).backward(g_)
+        def fp8_step(s1=spec1, s2=spec2):
+            fp8_block(x_MD, w13, w2, offs_E, s1, s2).backward(g_MD)
 
-        t = time_fn(fp8_step, device, args.iters, args.warmup, [x_, w13, w2], args.timer)
+        t = time_fn(fp8_step, device, args.iters, args.warmup, bare_tensors, args.timer)
         t["tflops"] = tflops(flops, t["median_ms"])
-        t["rows"] = x_.shape[0]
-        layer_ms = t_fp8_layer.get("median_ms")
         rec.setdefault("fp8", {})[precision] = {
-            "layer": t_fp8_layer, "bare": t, "layer_speedup": t_layer["median_ms"] / layer_ms if layer_ms else None,
+            "layer": t_fp8_layer, "bare": t, "layer_speedup": t_layer["median_ms"] / t_fp8_layer["median_ms"],
             "bare_speedup": t_bare["median_ms"] / t["median_ms"]}
 
     # ---- (c) optional per-expert loop at the qwen3 shape
@@ -404,8 +370,7 @@ def main(argv=None) -> dict:
     p.add_argument("--unfused", action="store_true",
                    help="router_fusion=False, permute_fusion=False: the torch reference router and permutes")
     p.add_argument("--precision", default="bf16",
-                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid] (recipes: " + ", ".join(RECIPES) + ") "
-                        "and fp8-rowwise-torchao (torchao's rowwise MoE grouped GEMM)")
+                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid] (recipes: " + ", ".join(RECIPES) + ")")
     p.add_argument("--with-loop", action="store_true", help="also time a per-expert Python loop (qwen3 only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU, 2 iterations")
     p.add_argument("--seed", type=int, default=0)
@@ -416,12 +381,10 @@ def main(argv=None) -> dict:
     if unknown:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     precisions = [s.strip() for s in args.precision.split(",") if s.strip()]
-    valid = {f"fp8-{r}" for r in RECIPES} | {"fp8-tensorwise-hybrid", "fp8-delayed-hybrid", "fp8-rowwise-torchao"}
+    valid = {f"fp8-{r}" for r in RECIPES} | {"fp8-tensorwise-hybrid", "fp8-delayed-hybrid"}
     bad = [s for s in precisions if s != "bf16" and s not in valid]
     if bad:
         p.error(f"unknown --precision {bad}; choose from bf16, {', '.join(sorted(valid))}")
-    if "fp8-rowwise-torchao" in precisions and not fp8_torchao.available():
-        p.error("--precision fp8-rowwise-torchao needs torchao (and Triton): pip install torchao")
     args.fp8 = [s for s in precisions if s != "bf16"]
     args.iters = args.iters or (2 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
@@ -447,8 +410,7 @@ def main(argv=None) -> dict:
             f"{rec['bare']['median_ms']:.3f} ms ({rec['bare']['tflops']:.1f} TFLOP/s), "
             f"ratio {rec['ratio_layer_over_bare']:.3f}")
         for precision, r in rec.get("fp8", {}).items():
-            layer_x = f"x{r['layer_speedup']:.2f}" if r["layer_speedup"] else r["layer"]["error"]
-            log(f"{name} {precision}: layer {layer_x}, block x{r['bare_speedup']:.2f} over bf16")
+            log(f"{name} {precision}: layer x{r['layer_speedup']:.2f}, block x{r['bare_speedup']:.2f} over bf16")
         records.append(rec)
     result = {"benchmark": "moe_layer", "env": env_info(device), "smoke": args.smoke,
               "config": {"iters": args.iters, "warmup": args.warmup, "split_iters": args.split_iters,

@@ -11,9 +11,6 @@ CPU) and emulated otherwise. The experts' grouped GEMMs run on ``torch._scaled_g
 with row and column scales: the tensorwise, delayed and rowwise recipes; gradients too with ``fp8_format="e4m3"``)
 and emulated otherwise (quantized, dequantized, multiplied in fp32). The log says which path each GEMM took.
 
-``grouped_kernels="torchao"`` runs the experts' grouped GEMMs on torchao's rowwise MoE kernels instead
-(``modules/fp8_torchao.py``: fused Triton quantization, power-of-2 scales, fast accumulation throughout).
-
 ``fp8_dispatch=True`` also sends the tokens of the ``alltoall`` dispatcher's dispatch all-to-all in E4M3, one fp32
 scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the bytes of bf16 on the wire.
 """
@@ -27,7 +24,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
 from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
-from lightning_moe.modules import fp8_torchao
 from lightning_moe.modules.dispatchers import AllToAllDispatcher
 from lightning_moe.modules.fp8 import RECIPES
 from lightning_moe.modules.fp8_grouped import check_dims, fp8_grouped_mm
@@ -54,20 +50,11 @@ class FP8Training(L.Callback):
             gradient returns in the activations' precision (straight-through), and the combine all-to-all stays in
             it. Under EP = 1 the same rounding applies where the all-to-all would be, so every layout gives the same
             numbers. Other dispatchers are refused. Independent of ``exclude`` (it applies to every MoE layer).
-        grouped_kernels: the experts' grouped GEMMs on ``"torch"`` (our quantization passes and
-            ``torch._scaled_grouped_mm`` on Hopper, emulated elsewhere) or ``"torchao"`` (torchao's
-            ``_to_fp8_rowwise_then_scaled_grouped_mm``: fused Triton quantization, power-of-2 scales, fast
-            accumulation in dgrad and wgrad too). ``"torchao"`` needs torchao, the rowwise recipe, a GPU of compute
-            capability 9.0, ``ModelConfig.expert_rows_align`` a multiple of 16 and ETP = 1; anything else is
-            refused before training. Its scales are local: under expert-data parallelism (EDP > 1) the wgrad scales
-            (per expert and feature, over the expert's tokens) come from each rank's own tokens, where ``"torch"``
-            reduces those amaxes over EDP, so its numbers depend slightly on the layout. The dense GEMMs are
-            unchanged.
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
                  emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None,
-                 fp8_dispatch: bool = False, grouped_kernels: str = "torch"):
+                 fp8_dispatch: bool = False):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
         if fp8_format not in (None, "hybrid", "e4m3"):
@@ -79,29 +66,15 @@ class FP8Training(L.Callback):
             exclude = [exclude]
         if amax_history < 1:
             raise ValueError(f"FP8Training(amax_history={amax_history}): must be >= 1")
-        if grouped_kernels not in ("torch", "torchao"):
-            raise ValueError(f"FP8Training(grouped_kernels={grouped_kernels!r}): valid: 'torch', 'torchao'")
-        if grouped_kernels == "torchao":
-            if recipe != "rowwise":
-                raise ValueError(f"FP8Training(recipe={recipe!r}, grouped_kernels='torchao'): torchao's MoE grouped "
-                                 "GEMM is the rowwise recipe; use recipe='rowwise' or grouped_kernels='torch'")
-            if emulate:
-                raise ValueError("FP8Training(emulate=True, grouped_kernels='torchao'): torchao's kernels do not "
-                                 "emulate; leave emulate unset or use grouped_kernels='torch'")
-            if not fp8_torchao.available():
-                raise ValueError("FP8Training(grouped_kernels='torchao') needs torchao (and Triton), which cannot be "
-                                 "imported here: pip install torchao, or use grouped_kernels='torch'")
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
-        self.fp8_dispatch, self.grouped_kernels = fp8_dispatch, grouped_kernels
+        self.fp8_dispatch = fp8_dispatch
         self._swapped: list = []
         self._dispatchers: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         device = trainer.strategy.root_device
         emulate = self.emulate
-        if self.grouped_kernels == "torchao":
-            self._check_torchao(pl_module, device)
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9) and not emulate:
             raise ValueError(f"FP8Training: {torch.cuda.get_device_name(device)} has no FP8 tensor cores (compute "
                              "capability 8.9+ needed); pass emulate=True to train with emulated FP8")
@@ -120,39 +93,13 @@ class FP8Training(L.Callback):
         self._dispatchers = dispatchers
         grouped = [g for g in targets if g.grouped]
         dense = "emulated" if emulate or self.recipe == "blockwise" else "torch._scaled_mm"
-        if self.grouped_kernels == "torchao":
-            experts = f"{len(grouped)} expert grouped GEMMs (on torchao's rowwise MoE grouped GEMM)"
-        else:
-            on_kernel = sum(not emulate and grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in grouped)
-            backward = "" if not on_kernel or self._spec(grouped[0], None).formats()[1] == "e4m3" else \
-                " (their backward emulated: no E5M2 grouped kernel; fp8_format='e4m3' runs it on the kernel)"
-            experts = (f"{len(grouped)} expert grouped GEMMs ({on_kernel} on torch._scaled_grouped_mm{backward}, "
-                       f"{len(grouped) - on_kernel} emulated)")
-        rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - len(grouped)} dense GEMMs ({dense}), {experts}"
+        on_kernel = sum(not emulate and grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in grouped)
+        backward = "" if not on_kernel or self._spec(grouped[0], None).formats()[1] == "e4m3" else \
+            " (their backward emulated: no E5M2 grouped kernel; fp8_format='e4m3' runs it on the kernel)"
+        rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - len(grouped)} dense GEMMs ({dense}), "
+                       f"{len(grouped)} expert grouped GEMMs ({on_kernel} on torch._scaled_grouped_mm{backward}, "
+                       f"{len(grouped) - on_kernel} emulated)"
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else ""))
-
-    def _check_torchao(self, pl_module, device: torch.device) -> None:
-        """ValueError, before any step, where torchao's rowwise grouped GEMM cannot run the experts."""
-        opt = "FP8Training(grouped_kernels='torchao')"
-        if not grouped_kernels.available(device):
-            where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"a {device.type} device"
-            raise ValueError(f"{opt} needs a CUDA GPU of compute capability 9.0 (torch._scaled_grouped_mm's kernel), "
-                             f"not {where}; use grouped_kernels='torch' (emulated there)")
-        # the dispatcher's layout is torchao's input as it is: every expert's group a multiple of 16 rows
-        unaligned = sorted({m.dispatcher.cfg.expert_rows_align for m in pl_module.modules()
-                            if isinstance(m, MoELayer) and m.dispatcher.cfg.expert_rows_align % 16})
-        if unaligned:
-            raise ValueError(f"{opt} needs every expert's rows in groups of a multiple of 16, but the model has "
-                             f"expert_rows_align={unaligned[0]}: set ModelConfig.expert_rows_align=16")
-        ctx = getattr(pl_module, "parallel_context", None)
-        if ctx is not None and ctx.etp > 1:
-            raise ValueError(f"{opt}: torchao's row scales are not reduced over the expert-tensor-parallel group that "
-                             f"splits fc2's inputs (etp={ctx.etp}); use expert_tensor_parallel_size=1 or "
-                             "grouped_kernels='torch'")
-        for g in gemms(pl_module, self.exclude, self.include_head):
-            if g.grouped and (g.K % 16 or g.N % 16):
-                raise ValueError(f"{opt}: {g.name} is {g.K} x {g.N}, not multiples of 16 as torchao's grouped GEMM "
-                                 "needs; exclude it (exclude=[...]) or use grouped_kernels='torch'")
 
     def _fp8_dispatchers(self, pl_module) -> list:
         """Every MoE layer's dispatcher; ValueError if one is not the all-to-all (the only one with an FP8 path)."""
@@ -167,8 +114,7 @@ class FP8Training(L.Callback):
     def _spec(self, g: Gemm, ctx) -> FP8Spec:
         """The groups whose ranks split the GEMM's features (TP, ETP) or tokens (DP x CP, EDP): they share scales, as
         Transformer Engine reduces amaxes over its FP8 group."""
-        spec = FP8Spec(self.recipe, emulate=bool(self.emulate), history=self.amax_history, fp8_format=self.fp8_format,
-                       grouped_kernels=self.grouped_kernels)
+        spec = FP8Spec(self.recipe, emulate=bool(self.emulate), history=self.amax_history, fp8_format=self.fp8_format)
         if ctx is None:
             return spec
         if g.grouped:

@@ -200,12 +200,8 @@ class _FP8GroupedMM(torch.autograd.Function):
 
 def fp8_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec
                    ) -> torch.Tensor:
-    """The experts' grouped GEMM in FP8: on ``torch._scaled_grouped_mm`` where it runs (``fp8_grouped_kernels``), or
-    on torchao's rowwise kernels (``spec.grouped_kernels == "torchao"``: ``fp8_torchao``), emulated otherwise or
-    when ``spec.emulate``."""
-    if not spec.emulate and spec.grouped_kernels == "torchao":  # FP8Training checks that it can run
-        from lightning_moe.modules import fp8_torchao
-        return fp8_torchao.rowwise_grouped_mm(x_MK, w_LKN, offs_L)
+    """The experts' grouped GEMM in FP8: on ``torch._scaled_grouped_mm`` where it runs (``fp8_grouped_kernels``),
+    emulated otherwise or when ``spec.emulate``."""
     from lightning_moe.modules import fp8_grouped_kernels as kernels
     if not spec.emulate and kernels.runs(spec, x_MK, w_LKN):
         return kernels.scaled_grouped_mm(x_MK, w_LKN, offs_L, spec)

@@ -35,9 +35,6 @@ class FP8Spec:
     history: int = 16  # delayed scaling's amax window
     histories: dict = field(default_factory=dict)  # operand -> AmaxHistory (delayed)
     fp8_format: Optional[str] = None  # Megatron's --fp8-format: "hybrid" (E5M2 gradients) or "e4m3"; None: recipe's
-    # the experts' grouped GEMMs: "torch" (fp8_grouped_kernels.py on Hopper, emulated elsewhere) or "torchao"
-    # (fp8_torchao.py: rowwise recipe, groups of 16-row multiples, SM 9.0; its own local scales)
-    grouped_kernels: str = "torch"
 
     def formats(self) -> tuple[str, str]:
         """(format of inputs and weights, format of gradients)."""
