@@ -21,10 +21,6 @@ else the local copy below); MFU is against the dense bf16 peak of 989.4 TFLOPS (
     python benchmarks/bench_model.py --preset qwen3-30b-a3b --batch 2 --steps 20 --out qwen3.json
     python benchmarks/bench_model.py --smoke               # tiny CPU float32 run, used by the CPU test
     python benchmarks/bench_model.py --preset qwen3-30b-a3b --devices 2 --ep 2 --fp8 rowwise --fp8-dispatch
-    python benchmarks/bench_model.py --preset qwen3-30b-a3b --compile    # blocks compiled (compile_blocks=True)
-
-With ``--compile`` the first steps include the compilation: ``first_step_s`` (fit start to the end of the first
-optimizer step, both runs) shows its cost, and ``compile`` holds dynamo's counters (graph breaks, graphs, times).
 """
 
 from __future__ import annotations
@@ -183,11 +179,6 @@ class StepTimer(L.Callback):
     def __init__(self, device: torch.device, warmup_steps: int, max_steps: int):
         self.device, self.warmup_steps, self.max_steps = device, warmup_steps, max_steps
         self.stamps, self.losses, self.wall, self.pipeline = [], [], {}, {}
-        self.t0, self.first_step_s = None, None
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        sync(self.device)
-        self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches or len(self.stamps) >= self.max_steps:
@@ -197,9 +188,6 @@ class StepTimer(L.Callback):
         if loss is not None:
             self.losses.append(loss.detach())
         step = len(self.stamps)  # optimizer steps done
-        if step == 1 and self.t0 is not None:  # with --compile: the compilation's cost (one sync, before the window)
-            sync(self.device)
-            self.first_step_s = time.perf_counter() - self.t0
         if step in (self.warmup_steps, self.max_steps):
             sync(self.device)
             self.wall[step] = time.perf_counter()
@@ -210,7 +198,7 @@ class StepTimer(L.Callback):
         sync(self.device)
         w, n = self.warmup_steps, len(self.stamps)
         per_step = [elapsed_ms(self.stamps[i - 1], self.stamps[i]) / 1e3 for i in range(max(w, 1), n)]
-        out = {"steps_run": n, "measured_steps": n - w, "first_step_s": self.first_step_s,
+        out = {"steps_run": n, "measured_steps": n - w,
                "step_time_s": (self.wall[n] - self.wall[w]) / (n - w) if n in self.wall and w in self.wall else None,
                "step_time_median_s": statistics.median(per_step) if per_step else None,
                "step_time_min_s": min(per_step) if per_step else None,
@@ -236,10 +224,6 @@ def strategy_kwargs(args) -> dict:
         kw["sequence_parallel"] = bool(args.sp)
     if args.cuda_graphs:
         kw["cuda_graphs"] = True
-    if args.compile:
-        kw["compile_blocks"] = True
-    if getattr(args, "no_wgrad_fusion", False):
-        kw["gradient_accumulation_fusion"] = False
     if args.pp > 1 or args.microbatches > 1:
         kw.update(pipeline_parallel_size=args.pp, num_microbatches=args.microbatches)
         if args.vpp:
@@ -249,20 +233,6 @@ def strategy_kwargs(args) -> dict:
         if args.overlap_p2p is not None:
             kw["overlap_p2p_comm"] = bool(args.overlap_p2p)
     return kw
-
-
-def compile_stats() -> dict:
-    """dynamo's counters after a compiled run: graph breaks (and their first reasons), graphs, compilation times."""
-    from torch._dynamo.utils import compile_times, counters
-    breaks = counters["graph_break"]
-    out = {"graph_breaks": sum(breaks.values()), "unique_graphs": counters["stats"]["unique_graphs"],
-           "break_reasons": [r.strip().splitlines()[0][:160] for r in list(breaks)[:8]]}
-    try:
-        names, values = compile_times(repr="csv", aggregate=True)
-        out["times_s"] = {k: round(float(v), 3) for k, v in zip(names, values)}
-    except Exception as e:  # noqa: BLE001 - a private API: its absence must not lose the record
-        out["times_s"] = f"unavailable: {type(e).__name__}"
-    return out
 
 
 def run_one(args, preset: str) -> dict:
@@ -344,8 +314,6 @@ def run_one(args, preset: str) -> dict:
         with stdout_to_stderr():
             trainer.fit(model, datamodule=data)
         rec = {**timer.summary(), **opt_timer.summary(), **optimizer_memory(model, trainer.strategy)}
-        if args.compile:
-            rec["compile"] = compile_stats()
         pipe = timer.pipeline  # the last timed step's schedule on each pipeline rank
         if pipe:
             import torch.distributed as dist
@@ -383,8 +351,7 @@ def run_one(args, preset: str) -> dict:
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
            "dispatcher": cfg.dispatcher + ("_sync_free" if cfg.sync_free_dispatch else ""), "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
-           "devices": args.devices, "recompute": args.recompute, "compile_blocks": args.compile,
-           "cuda_graphs": args.cuda_graphs,
+           "devices": args.devices, "recompute": args.recompute,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
            "fp8_dispatch": args.fp8_dispatch, "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
@@ -419,9 +386,6 @@ def run_in_subprocess(args, preset: str) -> dict:
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
-        cmd += ["--compile"] if args.compile else []
-        cmd += ["--no-wgrad-fusion"] if getattr(args, "no_wgrad_fusion", False) else []
-        cmd += ["--compile-router"] if args.compile_router else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
@@ -457,11 +421,7 @@ def main(argv=None) -> dict:
                         "next kernel (benchmarks/gaps.py); the stacks slow the host, so the breakdown is pessimistic")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="MoEFoldStrategy(cuda_graphs=True): each block's forward and backward as CUDA graphs")
-    p.add_argument("--compile", action="store_true",
-                   help="MoEFoldStrategy(compile_blocks=True): every transformer block compiled with torch.compile")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
-    p.add_argument("--no-wgrad-fusion", action="store_true",
-                   help="MoEFoldStrategy(gradient_accumulation_fusion=False): the unfused baseline")
     p.add_argument("--distributed-optimizer", action="store_true", help="MoEFoldStrategy(distributed_optimizer=True)")
     p.add_argument("--recompute", default=None, help="lightning_moe.Recompute(modules): comma-separated names")
     p.add_argument("--offload-activations", default=None,

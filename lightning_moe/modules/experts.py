@@ -27,25 +27,13 @@ def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) ->
     """
     aligned = (x_MK.shape[-1] * x_MK.element_size()) % 16 == 0 and (w_LKN.shape[-1] * w_LKN.element_size()) % 16 == 0
     if x_MK.dtype in _GROUPED_MM_DTYPES and aligned:
-        if x_MK.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-            return _grouped_mm_outside_graph(x_MK, w_LKN, offs_L)
-        return _grouped_mm(x_MK, w_LKN, offs_L)
+        y = F.grouped_mm(x_MK, w_LKN, offs=offs_L)
+        if y.requires_grad:  # grouped_mm's backward rejects stride-0 grads (e.g. from .sum()) on CPU
+            y.register_hook(torch.Tensor.contiguous)
+        return y
     rows = torch.arange(x_MK.shape[0], device=x_MK.device)
     group_M = torch.bucketize(rows, offs_L.to(torch.int64), right=True).clamp_(max=w_LKN.shape[0] - 1)
     return torch.bmm(x_MK.unsqueeze(1), w_LKN[group_M]).squeeze(1)
-
-
-def _grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
-    y = F.grouped_mm(x_MK, w_LKN, offs=offs_L)
-    # grouped_mm's backward rejects stride-0 grads (e.g. from .sum()) on CPU; a compiled graph makes its own grads
-    if y.requires_grad and not torch.compiler.is_compiling():
-        y.register_hook(torch.Tensor.contiguous)
-    return y
-
-
-# torch.compile (MoEFoldStrategy(compile_blocks=True)): torch's fake kernel of grouped_mm takes bf16 only, so float32
-# and float16 grouped GEMMs run eagerly behind a graph break (the CPU tests' float32; training on GPUs is bf16)
-_grouped_mm_outside_graph = torch.compiler.disable(_grouped_mm)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

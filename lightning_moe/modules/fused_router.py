@@ -7,10 +7,6 @@ experts. Everything else runs the reference, which is also the CPU path. What th
 - the router GEMM (cuBLAS) and the capacity drop (a top-k over tokens, across the kernel's blocks);
 - the reductions of the per-block partial sums (tiny, and deterministic unlike float atomics);
 - the all-reduce of the counts and the loss formula (``TopKRouter._aux_loss``: communication and scalars).
-
-Under torch.compile (``MoEFoldStrategy(compile_blocks=True)``) the kernels run as two custom ops,
-``lightning_moe::fused_router_fwd`` and ``_bwd``, with the autograd Function's gradient formula registered on them:
-dynamo sees opaque ops with fake kernels for their shapes instead of tracing the launchers and the Function's ctx.
 """
 
 from __future__ import annotations
@@ -71,59 +67,6 @@ class _FusedRouter(torch.autograd.Function):
         return grad, None, None, None
 
 
-# ---------------------------------------------------------------------------------------------------- torch.compile
-@torch.library.custom_op("lightning_moe::fused_router_fwd", mutates_args=())
-def _fwd_op(logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor], topk: int, score: int, groups: int,
-            group_topk: int, scale: Optional[float], count: bool, z: bool, aux: int, aux_topk: bool,
-            block_t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    tk = kernels.load("triton_router", logits_TE)
-    outs = tk.router_fwd(logits_TE, bias_E, topk=topk, score=score, groups=groups, group_topk=group_topk,
-                         scale=scale, count=count, z=z, aux=aux, aux_topk=aux_topk, block_t=block_t)
-    # the outputs a flag turns off are one empty tensor; a custom op's outputs must not alias each other
-    return tuple(o.clone() if any(o is p for p in outs[:i]) else o for i, o in enumerate(outs))
-
-
-@_fwd_op.register_fake
-def _(logits_TE, bias_E, topk, score, groups, group_topk, scale, count, z, aux, aux_topk, block_t):
-    T, E = logits_TE.shape
-    nb = -(-T // block_t)
-    new = lambda *shape, dtype=torch.float32: logits_TE.new_empty(shape, dtype=dtype)  # noqa: E731
-    return (new(T, topk), new(T, topk, dtype=torch.int64), new(E if count else 0), new(nb if z else 0),
-            new(nb, E) if aux else new(0), new(nb, E) if aux else new(0))
-
-
-@torch.library.custom_op("lightning_moe::fused_router_bwd", mutates_args=())
-def _bwd_op(logits_TE: torch.Tensor, experts_TK: torch.Tensor, g_probs: Optional[torch.Tensor],
-            g_z: Optional[torch.Tensor], g_s: Optional[torch.Tensor], score: int, scale: Optional[float], aux: int,
-            block_t: int) -> torch.Tensor:
-    tk = kernels.load("triton_router", logits_TE)
-    return tk.router_bwd(logits_TE, experts_TK, g_probs, g_z, g_s, score=score, scale=scale, aux=aux,
-                         block_t=block_t)
-
-
-@_bwd_op.register_fake
-def _(logits_TE, experts_TK, g_probs, g_z, g_s, score, scale, aux, block_t):
-    return torch.empty_like(logits_TE)
-
-
-def _setup_context(ctx, inputs, output):
-    logits_TE, _, _, score, _, _, scale, _, z, aux, _, block_t = inputs
-    ctx.save_for_backward(logits_TE, output[1])
-    ctx.opts = (score, scale, z, aux, block_t)
-
-
-def _backward(ctx, g_probs, _g_experts, _g_tpe, g_z, g_s, _g_cpart):
-    """_FusedRouter.backward's formula; the counts (experts, tokens per expert, routing-map counts) carry none."""
-    logits_TE, experts_TK = ctx.saved_tensors
-    score, scale, z, aux, block_t = ctx.opts
-    grad = _bwd_op(logits_TE, experts_TK, g_probs, g_z if z else None, g_s if aux else None, score, scale, aux,
-                   block_t)
-    return grad, *(None,) * 11
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
 @dataclass
 class FusedScores:
     probs_TK: torch.Tensor  # fp32 gates, before any capacity drop
@@ -141,18 +84,14 @@ def score(logits_TE: torch.Tensor, cfg: ModelConfig, expert_bias_E: Optional[tor
     tk = _tk(logits_TE, cfg)
     per_seq = aux and cfg.load_balancing == "seq_aux_loss"
     S = T // num_sequences if per_seq else 0
-    opts = dict(topk=cfg.topk, score=2 if cfg.score_function == "sigmoid" else int(cfg.pre_softmax),
-                groups=cfg.num_groups or 0, group_topk=cfg.group_topk or 0, scale=cfg.topk_scaling_factor,
-                count=True, z=z, aux=(2 if cfg.score_function == "sigmoid" else 1) if aux else 0,
-                # the aux loss ranks plain scores: groups or a bias select differently, so it needs its own top-k
-                aux_topk=bool(cfg.num_groups) or expert_bias_E is not None,
-                block_t=tk.block_tokens(E, S))
+    o = _Opts(topk=cfg.topk, score=2 if cfg.score_function == "sigmoid" else int(cfg.pre_softmax),
+              groups=cfg.num_groups or 0, group_topk=cfg.group_topk or 0, scale=cfg.topk_scaling_factor,
+              count=True, z=z, aux=(2 if cfg.score_function == "sigmoid" else 1) if aux else 0,
+              # the aux loss ranks plain scores: groups or a bias select differently, so it needs its own top-k
+              aux_topk=bool(cfg.num_groups) or expert_bias_E is not None,
+              block_t=tk.block_tokens(E, S))
     bias = expert_bias_E.float().contiguous() if expert_bias_E is not None else None
-    if torch.compiler.is_compiling():  # the custom ops (above); the counts carry no gradient
-        probs, experts, tpe, zpart, spart, cpart = _fwd_op(logits_TE.contiguous(), bias, *opts.values())
-        tpe, cpart = tpe.detach(), cpart.detach()
-    else:
-        probs, experts, tpe, zpart, spart, cpart = _FusedRouter.apply(logits_TE.contiguous(), bias, _Opts(**opts), tk)
+    probs, experts, tpe, zpart, spart, cpart = _FusedRouter.apply(logits_TE.contiguous(), bias, o, tk)
 
     def reduce(part_NE):  # per-block partials -> (E,) or, per sequence, (B, E); blocks never straddle sequences
         return part_NE.view(num_sequences, -1, E).sum(1) if per_seq else part_NE.sum(0)

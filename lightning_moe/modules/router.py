@@ -369,27 +369,19 @@ class TopKRouter(nn.Module):
             loss = switch_loss_of_sums(sums_X.reshape(B * E), tpe_BE.reshape(B * E), total, K, E, coeff) / B
             return loss * (ctx.size("tp_cp") // ctx.size("tp"))
         if cfg.load_balancing == "global_aux_loss":
-            averaged_E = self._global_window(counts_X)
+            if replay.replaying():  # the first pass's window: later micro-batches have moved the counters since
+                averaged_E = self._replayed.pop(0)  # (and no all-reduce: every rank replays alike)
+            else:
+                tpe_E = ctx.all_reduce_(counts_X, "tp_dp_cp")
+                with torch.no_grad():
+                    self.global_tokens_per_expert += tpe_E
+                    self.global_aux_steps += 1
+                averaged_E = self.global_tokens_per_expert / self.global_aux_steps
+                if replay.recorded():  # this pass will be replayed in backward: keep what it saw
+                    self._replayed.append(averaged_E)
             total = T * ctx.size("tp_dp_cp")
             return switch_loss_of_sums(sums_X, averaged_E, total, K, E, coeff) * ctx.size("dp_cp")
         raise ValueError(f"TopKRouter: unknown load_balancing {cfg.load_balancing!r}")
-
-    @torch.compiler.disable
-    def _global_window(self, counts_X: torch.Tensor) -> torch.Tensor:
-        """global_aux_loss: add this micro-batch's counts (summed over tp x dp x cp) to the window, and return the
-        window's average counts. Never compiled (a graph break under ``compile_blocks``): AOTAutograd may recompute
-        a read of a buffer that its graph mutates in the backward, after the mutation, which silently gave wrong
-        router gradients (torch 2.13; pytorch/pytorch#197039)."""
-        if replay.replaying():  # the first pass's window: later micro-batches have moved the counters since
-            return self._replayed.pop(0)  # (and no all-reduce: every rank replays alike)
-        tpe_E = self.ctx.all_reduce_(counts_X, "tp_dp_cp")
-        with torch.no_grad():
-            self.global_tokens_per_expert += tpe_E
-            self.global_aux_steps += 1
-        averaged_E = self.global_tokens_per_expert / self.global_aux_steps
-        if replay.recorded():  # this pass will be replayed in backward: keep what it saw
-            self._replayed.append(averaged_E)
-        return averaged_E
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

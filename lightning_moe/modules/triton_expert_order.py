@@ -12,8 +12,6 @@ resort      the EP receiver: rows arrive grouped by (source, local expert); each
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -113,7 +111,8 @@ def _sub(E_PAD: int) -> int:
     return max(16, min(BLOCK_N, 4096 // E_PAD))
 
 
-def _rank_copies(keys_N: torch.Tensor, E: int, div: int, stride: int, align: int, R: int, fill: Optional[int]):
+def rank_copies(keys_N: torch.Tensor, E: int, div: int, stride: int, align: int, R: int, fill: int):
+    """(rows_N, src_R, counts_E, sizes_E): see ``expert_order.expert_order``."""
     N = keys_N.numel()
     dev = keys_N.device
     E_PAD = triton.next_power_of_2(E + 1)
@@ -133,7 +132,8 @@ def _rank_copies(keys_N: torch.Tensor, E: int, div: int, stride: int, align: int
     return rows, src, counts, sizes
 
 
-def _resort_dest(counts_SL: torch.Tensor, M: int, align: int):
+def resort_dest(counts_SL: torch.Tensor, M: int, align: int):
+    """(dest_M, sizes_L): see ``expert_order.resort_by_expert``."""
     S, L = counts_SL.shape
     dev = counts_SL.device
     dest = torch.empty(M, device=dev, dtype=torch.int64)
@@ -145,44 +145,4 @@ def _resort_dest(counts_SL: torch.Tensor, M: int, align: int):
     return dest, sizes
 
 
-def next_pow2(n: int) -> int:
-    """``triton.next_power_of_2`` in plain Python: torch.compile traces it (it does not trace into triton)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-# ---------------------------------------------------------------------------------------------------- torch.compile
-# Under torch.compile (MoEFoldStrategy(compile_blocks=True)) the launchers are custom ops: opaque to dynamo, which
-# then needs only their output shapes (the fake kernels below), and run as they are. Eager calls skip the dispatcher.
-@torch.library.custom_op("lightning_moe::expert_order_rank_copies", mutates_args=())
-def _rank_copies_op(keys_N: torch.Tensor, E: int, div: int, stride: int, align: int, R: int,
-                    fill: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, src, counts, sizes = _rank_copies(keys_N, E, div, stride, align, R, fill)
-    return rows, src, counts, sizes if sizes is not counts else counts.clone()  # a custom op's outputs never alias
-
-
-@_rank_copies_op.register_fake
-def _(keys_N, E, div, stride, align, R, fill):
-    new = lambda n: keys_N.new_empty(n, dtype=torch.int64)  # noqa: E731
-    return new(keys_N.numel()), new(R), new(E), new(E)
-
-
-@torch.library.custom_op("lightning_moe::expert_order_resort_dest", mutates_args=())
-def _resort_dest_op(counts_SL: torch.Tensor, M: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _resort_dest(counts_SL, M, align)
-
-
-@_resort_dest_op.register_fake
-def _(counts_SL, M, align):
-    return counts_SL.new_empty(M, dtype=torch.int64), counts_SL.new_empty(counts_SL.shape[1], dtype=torch.int64)
-
-
-def rank_copies(keys_N: torch.Tensor, E: int, div: int, stride: int, align: int, R: int, fill: Optional[int]):
-    """(rows_N, src_R, counts_E, sizes_E): see ``expert_order.expert_order``."""
-    if torch.compiler.is_compiling():
-        return _rank_copies_op(keys_N, E, div, stride, align, R, fill)
-    return _rank_copies(keys_N, E, div, stride, align, R, fill)
-
-
-def resort_dest(counts_SL: torch.Tensor, M: int, align: int):
-    """(dest_M, sizes_L): see ``expert_order.resort_by_expert``."""
-    return (_resort_dest_op if torch.compiler.is_compiling() else _resort_dest)(counts_SL, M, align)
+next_pow2 = triton.next_power_of_2

@@ -76,8 +76,8 @@ def _block(D: int) -> int:
     return min(1024, triton.next_power_of_2(D))
 
 
-def _combine_fwd(y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
-                 keep_TK: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+def combine_fwd(y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
+                keep_TK: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     T, K = rows_TK.shape
     D = y_ND.shape[1]
     out = torch.empty(T, D, device=y_ND.device, dtype=out_dtype)
@@ -89,8 +89,8 @@ def _combine_fwd(y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: Optional[t
     return out
 
 
-def _combine_bwd(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: torch.Tensor,
-                 keep_TK: Optional[torch.Tensor], permutation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_bwd(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: torch.Tensor,
+                keep_TK: Optional[torch.Tensor], permutation: bool) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = rows_TK.shape
     N, D = y_ND.shape
     # a permutation writes every row; padded layouts leave empty slots (zeros) and a spare row N for dropped copies
@@ -103,7 +103,7 @@ def _combine_bwd(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, 
     return gy[:N], gp
 
 
-def _gather(x_TD: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
+def gather(x_TD: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
     R, D = src_R.numel(), x_TD.shape[1]
     out = torch.empty(R, D, device=x_TD.device, dtype=x_TD.dtype)
     BLOCK_D = _block(D)
@@ -111,58 +111,3 @@ def _gather(x_TD: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
         _gather_kernel[(R, triton.cdiv(D, BLOCK_D))](x_TD.contiguous(), src_R.contiguous(), out, D, BLOCK_D=BLOCK_D,
                                                      num_warps=4)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------- torch.compile
-# Under torch.compile (MoEFoldStrategy(compile_blocks=True)) the launchers are custom ops: opaque to dynamo, which
-# then needs only their output shapes (the fake kernels below), and run as they are. permute.py's autograd Functions
-# around them are traced as usual. Eager calls skip the dispatcher.
-@torch.library.custom_op("lightning_moe::permute_combine_fwd", mutates_args=())
-def _combine_fwd_op(y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
-                    keep_TK: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    return _combine_fwd(y_ND, rows_TK, probs_TK, keep_TK, out_dtype)
-
-
-@_combine_fwd_op.register_fake
-def _(y_ND, rows_TK, probs_TK, keep_TK, out_dtype):
-    return y_ND.new_empty(rows_TK.shape[0], y_ND.shape[1], dtype=out_dtype)
-
-
-@torch.library.custom_op("lightning_moe::permute_combine_bwd", mutates_args=())
-def _combine_bwd_op(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: torch.Tensor,
-                    keep_TK: Optional[torch.Tensor], permutation: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _combine_bwd(g_TD, y_ND, rows_TK, probs_TK, keep_TK, permutation)
-
-
-@_combine_bwd_op.register_fake
-def _(g_TD, y_ND, rows_TK, probs_TK, keep_TK, permutation):
-    return y_ND.new_empty(y_ND.shape), y_ND.new_empty(rows_TK.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("lightning_moe::permute_gather", mutates_args=())
-def _gather_op(x_TD: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
-    return _gather(x_TD, src_R)
-
-
-@_gather_op.register_fake
-def _(x_TD, src_R):
-    return x_TD.new_empty(src_R.numel(), x_TD.shape[1])
-
-
-def combine_fwd(y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: Optional[torch.Tensor],
-                keep_TK: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    """``out[t] = sum_k p[t, k] * y[rows[t, k]]`` (p = 1 without probs; dropped copies add nothing)."""
-    f = _combine_fwd_op if torch.compiler.is_compiling() else _combine_fwd
-    return f(y_ND, rows_TK, probs_TK, keep_TK, out_dtype)
-
-
-def combine_bwd(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: torch.Tensor,
-                keep_TK: Optional[torch.Tensor], permutation: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The combine's gradients: (of y, of the probs)."""
-    f = _combine_bwd_op if torch.compiler.is_compiling() else _combine_bwd
-    return f(g_TD, y_ND, rows_TK, probs_TK, keep_TK, permutation)
-
-
-def gather(x_TD: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
-    """``x[src]`` with zero rows where ``src`` is -1."""
-    return (_gather_op if torch.compiler.is_compiling() else _gather)(x_TD, src_R)

@@ -241,7 +241,7 @@ def block_tokens(E: int, seq_len: int = 0) -> int:
     """Tokens per program: 1K logits, 8 a thread at 4 warps (compiled for sm_90: 2K spill registers at E=256);
     a divisor of the sequence length when the aux loss is per sequence, so that no block straddles two sequences
     (its partial sums are one sequence's)."""
-    bt = max(1, min(64, 1024 // (1 << max(E - 1, 0).bit_length())))  # plain Python: torch.compile traces it
+    bt = max(1, min(64, 1024 // triton.next_power_of_2(E)))
     if seq_len:
         while seq_len % bt:
             bt //= 2

@@ -40,7 +40,6 @@ from torch import Tensor
 
 from lightning_moe.strategy.checkpoint import load_sharded, save_sharded
 from lightning_moe.strategy.checkpoint_state import fill_checkpoint, split_checkpoint
-from lightning_moe.strategy import compile_blocks as block_compile
 from lightning_moe.strategy.cuda_graphs import capture_blocks, release_blocks, unsupported_layout
 from lightning_moe.strategy.reshard import load_pieces, save_pieces
 from lightning_moe.strategy.grad_sync import GradSync, is_expert_param
@@ -110,14 +109,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             batch (``strategy/cuda_graphs.py``): no host launch overhead inside the blocks. Needs CUDA, bf16 weights
             (``precision="bf16-true"``, not autocast), and a layout without collectives inside the blocks
             (tp = cp = ep = etp = 1, no pipeline schedule). Data parallelism is allowed (its all-reduce runs in
-            hooks outside the graphs) but so far was tested on one GPU only. Composes with ``compile_blocks``: the
-            compiled blocks are what is captured.
-        compile_blocks: compile every transformer block in place with ``torch.compile`` (``nn.Module.compile``, as
-            torchtitan compiles each block; parameter names and checkpoints are unchanged) at setup; each compiles at
-            its first call (``strategy/compile_blocks.py``). The fused Triton router and permutes run as custom ops
-            inside the compiled blocks. On one GPU a bf16 block is one graph; collectives and host syncs inside the
-            blocks (EP's dropless all-to-all, CP) break it where they are. Not with ``Recompute``,
-            ``ActivationOffload``, ``FP8Training`` or ``NVFP4Training`` (refused at setup).
+            hooks outside the graphs) but so far was tested on one GPU only.
         distributed_optimizer: Megatron's distributed optimizer (ZeRO-1, ``strategy/sharded_optimizer.py``): gradient
             buckets are reduce-scattered (dense over dp x cp, experts over edp), each rank keeps and steps only its
             slice of the main params and optimizer state, and the new weights are all-gathered bucket by bucket.
@@ -136,12 +128,6 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             weights and optimizer state stay those of the last finite step; a warning says so), and stop the run with
             an error after N such steps in a row. None (default): step whatever the norm. Not with the distributed
             optimizer yet.
-        gradient_accumulation_fusion: Megatron's ``--gradient-accumulation-fusion``: the weight-gradient GEMMs of the
-            dense linears (attention and MLA projections, dense FFN, shared experts, an untied head) write their fp32
-            result straight into the main grads, first micro-batch of a step, or add it there (cuBLAS's epilogue), so
-            no bf16 gradient is written and read back (``modules/wgrad_fusion.py``, which says what it does not
-            cover and why). None (default): on wherever main grads exist (``precision="bf16-true"``), except inside
-            CUDA graphs, and under ``compile_blocks`` only for the head. True where it cannot apply is refused.
     """
 
     strategy_name = "moe_fold"
@@ -155,12 +141,11 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  bucket_size_mb: float = 25.0,
                  overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None,
                  timeout: Union[float, timedelta] = 1800.0,
-                 process_group_backend: Optional[str] = None, cuda_graphs: bool = False, compile_blocks: bool = False,
+                 process_group_backend: Optional[str] = None, cuda_graphs: bool = False,
                  distributed_optimizer: bool = False, overlap_param_gather: bool = True,
                  main_params_dtype: Optional[str] = None, exp_avg_dtype: Optional[str] = None,
                  exp_avg_sq_dtype: Optional[str] = None, optimizer_cpu_offload: float = 0.0,
-                 skip_nonfinite_steps: Optional[int] = None,
-                 gradient_accumulation_fusion: Optional[bool] = None, accelerator=None,
+                 skip_nonfinite_steps: Optional[int] = None, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -197,10 +182,6 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             if why:
                 raise ValueError(f"MoEFoldStrategy(cuda_graphs=True) cannot capture this layout: {why}")
         self.cuda_graphs = bool(cuda_graphs)
-        if not isinstance(compile_blocks, bool):
-            raise ValueError(f"MoEFoldStrategy: compile_blocks must be True or False, got {compile_blocks!r}")
-        self.compile_blocks = compile_blocks
-        self._compiled_blocks: list = []
         self._graphs: Optional[tuple] = None  # (captured blocks, hook handles)
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("MoEFoldStrategy(sequence_parallel=True) has no effect without tensor parallelism "
@@ -221,12 +202,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
         self.optimizer_options = OptimizerOptions.parse(distributed_optimizer, overlap_param_gather, fp32_main_params,
                                                         main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype,
-                                                        optimizer_cpu_offload, gradient_accumulation_fusion)
+                                                        optimizer_cpu_offload)
         self.fp32_main_params = self.optimizer_options.main_params_fp32
-        if compile_blocks and self.optimizer_options.gradient_accumulation_fusion:
-            raise ValueError("MoEFoldStrategy(gradient_accumulation_fusion=True) cannot run with compile_blocks=True: "
-                             "the fused weight-gradient GEMMs would break every compiled block's graph at each linear "
-                             "(by default the blocks' linears leave the fusion under compile_blocks)")
         self._main_params: Optional[MainParams] = None
         self._sharded: Optional[ShardedOptimizer] = None
         if skip_nonfinite_steps is not None and (not isinstance(skip_nonfinite_steps, int) or skip_nonfinite_steps < 1):
@@ -399,10 +376,6 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             self._setup_pipeline(trainer)
         if self.cuda_graphs and trainer.state.fn == TrainerFn.FITTING:
             self._check_cuda_graphs()
-        if self.compile_blocks:
-            block_compile.check_callbacks(trainer.callbacks)
-            self._compiled_blocks = block_compile.model_blocks(self.lightning_module)
-            block_compile.compile_blocks(self._compiled_blocks, self.root_device)
         self._setup_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -443,8 +416,6 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
 
     def _capture_cuda_graphs(self, batch) -> None:
         blocks, x_shape, dtype, positions_S = self.lightning_module.cuda_graph_blocks(batch)
-        if self.compile_blocks:  # capture the compiled blocks
-            block_compile.for_capture(blocks)
         with self.precision_plugin.train_step_context():
             # fp32 main grads: GradSync's hook consumes each gradient at once, so the graphs' static gradient
             # buffers can go to autograd as they are; otherwise param.grad accumulates and must get a copy
@@ -475,10 +446,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
 
     # ------------------------------------------------------------------ the training step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if (self.cuda_graphs or self.compile_blocks) and self._sharded is not None:
-            # the blocks' forward pre-hooks do not run inside graph replays, and compiled blocks would trace them
-            self._sharded.wait_all()
         if self._pipeline is None:
+            if self.cuda_graphs and self._sharded is not None:
+                self._sharded.wait_all()  # the blocks' forward pre-hooks do not run inside graph replays
             if self.cuda_graphs and self._graphs is None:
                 self._capture_cuda_graphs(_batch_args(args, kwargs)[0])
             return super().training_step(*args, **kwargs)
@@ -501,8 +471,6 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         return module.pipeline_step_end(batch, batch_idx, lm_loss, aux, "train")
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compile_blocks and self._sharded is not None:
-            self._sharded.wait_all()  # compiled blocks would trace the forward pre-hooks' waits
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
         return self._forward_only(args, kwargs, "val", self.precision_plugin.val_step_context)
@@ -647,8 +615,6 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         if self._graphs is not None:
             release_blocks(*self._graphs)
             self._graphs = None
-        block_compile.release(self._compiled_blocks)
-        self._compiled_blocks = []
         self._teardown_optimizer_state()
         super().teardown()
 
