@@ -224,6 +224,8 @@ def strategy_kwargs(args) -> dict:
         kw["sequence_parallel"] = bool(args.sp)
     if args.cuda_graphs:
         kw["cuda_graphs"] = True
+    if args.no_wgrad_fusion:
+        kw["gradient_accumulation_fusion"] = False
     if args.pp > 1 or args.microbatches > 1:
         kw.update(pipeline_parallel_size=args.pp, num_microbatches=args.microbatches)
         if args.vpp:
@@ -386,6 +388,7 @@ def run_in_subprocess(args, preset: str) -> dict:
             if value is not None:
                 cmd += [flag, str(value)]
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
+        cmd += ["--no-wgrad-fusion"] if args.no_wgrad_fusion else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
@@ -422,6 +425,8 @@ def main(argv=None) -> dict:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="MoEFoldStrategy(cuda_graphs=True): each block's forward and backward as CUDA graphs")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
+    p.add_argument("--no-wgrad-fusion", action="store_true",
+                   help="MoEFoldStrategy(gradient_accumulation_fusion=False): the unfused baseline")
     p.add_argument("--distributed-optimizer", action="store_true", help="MoEFoldStrategy(distributed_optimizer=True)")
     p.add_argument("--recompute", default=None, help="lightning_moe.Recompute(modules): comma-separated names")
     p.add_argument("--offload-activations", default=None,

@@ -128,6 +128,12 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             weights and optimizer state stay those of the last finite step; a warning says so), and stop the run with
             an error after N such steps in a row. None (default): step whatever the norm. Not with the distributed
             optimizer yet.
+        gradient_accumulation_fusion: Megatron's ``--gradient-accumulation-fusion``: the weight-gradient GEMMs of the
+            dense linears (attention and MLA projections, dense FFN, shared experts, an untied head) write their fp32
+            result straight into the main grads, first micro-batch of a step, or add it there (cuBLAS's epilogue), so
+            no bf16 gradient is written and read back (``modules/wgrad_fusion.py``, which says what it does not
+            cover and why). None (default): on wherever main grads exist (``precision="bf16-true"``), except inside
+            CUDA graphs. True where it cannot apply is refused.
     """
 
     strategy_name = "moe_fold"
@@ -145,7 +151,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  distributed_optimizer: bool = False, overlap_param_gather: bool = True,
                  main_params_dtype: Optional[str] = None, exp_avg_dtype: Optional[str] = None,
                  exp_avg_sq_dtype: Optional[str] = None, optimizer_cpu_offload: float = 0.0,
-                 skip_nonfinite_steps: Optional[int] = None, accelerator=None,
+                 skip_nonfinite_steps: Optional[int] = None,
+                 gradient_accumulation_fusion: Optional[bool] = None, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -202,7 +209,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
         self.optimizer_options = OptimizerOptions.parse(distributed_optimizer, overlap_param_gather, fp32_main_params,
                                                         main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype,
-                                                        optimizer_cpu_offload)
+                                                        optimizer_cpu_offload, gradient_accumulation_fusion)
         self.fp32_main_params = self.optimizer_options.main_params_fp32
         self._main_params: Optional[MainParams] = None
         self._sharded: Optional[ShardedOptimizer] = None
