@@ -281,9 +281,15 @@ def run_one(args, preset: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="lmoe_bench_") as tmp:
         rng = np.random.default_rng(args.seed)
         n_tokens = max(2 * (seq + 1), min(4_000_000, 64 * batch * (seq + 1)))
-        path = write_tokens(os.path.join(tmp, "tokens.bin"), rng.integers(0, cfg.vocab_size, n_tokens), "uint16")
+        ids = rng.integers(0, cfg.vocab_size - 1, n_tokens)
+        packing = {}
+        if args.pack_documents:  # documents of lognormal lengths, each ended by the last vocabulary id
+            ends = np.cumsum(np.maximum(16, rng.lognormal(np.log(args.doc_median), 1.0, n_tokens // 16).astype(int)))
+            ids[ends[ends < n_tokens]] = cfg.vocab_size - 1
+            packing = dict(pack_documents=True, eod_token_id=cfg.vocab_size - 1)
+        path = write_tokens(os.path.join(tmp, "tokens.bin"), ids, "uint16")
         data = TokenDataModule(path=path, seq_length=seq, batch_size=batch, val_batches=0, num_workers=0,
-                               seed=args.seed)
+                               seed=args.seed, **packing)
         model = MoELanguageModel(config=cfg, lr=args.lr, warmup_steps=min(10, steps), max_steps=steps,
                                  log_expert_load=False, seed=args.seed)
         timer = StepTimer(device, warmup, steps)
@@ -353,7 +359,7 @@ def run_one(args, preset: str) -> dict:
            "micro_batch_size": batch, "accumulate_grad_batches": args.accumulate, "tokens_per_step": tokens_per_step, "steps": steps, "warmup_steps": warmup,
            "dispatcher": cfg.dispatcher + ("_sync_free" if cfg.sync_free_dispatch else ""), "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
-           "devices": args.devices, "recompute": args.recompute,
+           "devices": args.devices, "recompute": args.recompute, "pack_documents": args.pack_documents,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
            "fp8_dispatch": args.fp8_dispatch, "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
@@ -389,6 +395,7 @@ def run_in_subprocess(args, preset: str) -> dict:
                 cmd += [flag, str(value)]
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         cmd += ["--no-wgrad-fusion"] if args.no_wgrad_fusion else []
+        cmd += ["--pack-documents", "--doc-median", str(args.doc_median)] if args.pack_documents else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
@@ -410,6 +417,10 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, default=None, help="vocab_size (default per preset; must fit uint16)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 4096; 64 with --smoke)")
     p.add_argument("--batch", type=int, default=None, help="micro-batch size (default per preset)")
+    p.add_argument("--pack-documents", action="store_true",
+                   help="TokenDataModule(pack_documents=True): lognormal documents packed into rows, attention masked "
+                        "to each document (MFU still counts causal attention over the whole row)")
+    p.add_argument("--doc-median", type=float, default=4096.0, help="median document length with --pack-documents")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20; 3 with --smoke)")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="first steps left out of the timing (default 5; 1 with --smoke)")

@@ -60,13 +60,15 @@ def wgrad_into(main_NK: torch.Tensor, dy_TN: torch.Tensor, x_TK: torch.Tensor, f
 class _LinearWgradIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, w_NK, sync):
-        ctx.save_for_backward(x_TK, w_NK)
-        ctx.sync = sync
+        ctx.save_for_backward(x_TK)
+        # the parameter itself, not a saved tensor: under recompute or saved-tensor hooks a saved weight comes back as
+        # another tensor object, without main_grad (the weight cannot change before this backward anyway)
+        ctx.weight, ctx.sync = w_NK, sync
         return F.linear(x_TK, w_NK)
 
     @staticmethod
     def backward(ctx, dy_TN):
-        x_TK, w_NK = ctx.saved_tensors
+        (x_TK,), w_NK = ctx.saved_tensors, ctx.weight
         dx_TK = dy_TN @ w_NK if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:

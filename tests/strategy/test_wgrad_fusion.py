@@ -134,6 +134,24 @@ def test_trainer_bf16_true_fuses_the_dense_linears_and_trains_like_the_unfused_r
     torch.testing.assert_close(a, b, rtol=2e-2, atol=0)
 
 
+@pytest.mark.parametrize("callback", ["recompute_full", "offload"])
+def test_fusion_under_recompute_and_saved_tensor_hooks(tmp_path, callback, monkeypatch):
+    """Recompute re-runs the forward inside backward and hands saved tensors back as new objects: the fused backward
+    must still find the parameter's main_grad (found by the 128k H100 run with Recompute(["full"]))."""
+    from lightning_moe import Recompute
+    from tests.strategy.test_main_params import _fit
+    losses, fused = {}, {}
+    if callback == "offload":  # saved-tensor hooks that pack every save (ActivationOffload needs CUDA)
+        extra = [_HookAll()]
+    else:
+        extra = [Recompute(["full"])]
+    for name, cbs in (("plain", []), (callback, extra)):
+        _fit(tmp_path / name, 2, callbacks=[_Losses(losses.setdefault(name, []), fused.setdefault(name, set())),
+                                            *cbs])
+    assert fused["plain"] and len(fused[callback]) == len(fused["plain"])  # ids: two models
+    assert losses[callback] == losses["plain"]  # the same arithmetic, recomputed or not
+
+
 def test_strategy_refuses_fusion_without_main_grads(tmp_path):
     import lightning as L
 
@@ -149,6 +167,23 @@ def test_strategy_refuses_fusion_without_main_grads(tmp_path):
     with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True\) needs main grads"):
         trainer.fit(model, datamodule=TokenDataModule(path=make_tokens(str(tmp_path / "t.bin")), seq_length=32,
                                                       batch_size=4))
+
+
+class _HookAll:
+    """Saved-tensor hooks around every training step that hand back a copy: a saved tensor returns as another
+    object, as under offload."""
+
+    def __new__(cls):
+        import lightning as L
+
+        class Cb(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                self.ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t)
+                self.ctx.__enter__()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.ctx.__exit__(None, None, None)
+        return Cb()
 
 
 class _Losses:
