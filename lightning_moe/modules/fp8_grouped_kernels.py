@@ -13,19 +13,27 @@ onto those rows and columns):
 The wgrad GEMM reduces over each expert's tokens with 16-byte loads, so every expert's tokens start on a 16-row
 boundary (``expert_padding.py``: on the device, no host sync). There is no grouped kernel for E5M2 operands (the
 hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run emulated.
+
+The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
+of about six) where triton is installed and no amax is reduced over the ETP group; ``LMOE_FP8_TRITON_QUANT=0`` (or
+``FUSED_QUANT = False``) keeps the torch code, for comparisons.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
-from lightning_moe.modules.fp8_grouped import (_cast, emulated_dgrad, emulated_wgrad, expert_of_rows, rows_amax,
-                                               tokens_amax, weights_amax)
+from lightning_moe.modules.fp8_grouped import (_cast, _reduced, emulated_dgrad, emulated_wgrad, expert_of_rows,
+                                               rows_amax, tokens_amax, weights_amax)
 from lightning_moe.modules.fp8_linear import FP8Spec
+from lightning_moe.modules.kernels import load
 
 ALIGN = 16  # rows: 16 bytes of E4M3
+FUSED_QUANT = os.environ.get("LMOE_FP8_TRITON_QUANT", "1") != "0"
 
 
 def available(device: torch.device) -> bool:
@@ -71,6 +79,27 @@ def _by_expert_t(x_MX, amax_LX, dest_M, gid_P, P: int, fmt: str):
     return saturate_rows_t(x_PX, scale_LX, gid_P, fmax, dtype), scale_LX.expand(-1, x_MX.shape[1])
 
 
+def _quant_kernels(spec: FP8Spec, t: torch.Tensor):
+    """``triton_fp8_quant`` where it quantizes ``t``'s operands (rowwise recipe, E4M3 on both sides); else None."""
+    if not FUSED_QUANT or spec.recipe != "rowwise" or spec.formats() != ("e4m3", "e4m3"):
+        return None
+    return load("triton_fp8_quant", t)
+
+
+def _rows(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, split_k: bool, fmt: str):
+    """Per-row scales along K: one fused pass, unless ETP splits K (the amax is then all-reduced first)."""
+    if tq is not None and not (split_k and spec.group is not None):
+        return tq.rowwise_quant(x_MK, fmt)
+    return _cast(x_MK, rows_amax(x_MK, offs, gid_M, tiling(spec.recipe, role), spec, name, split_k), fmt)
+
+
+def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8Spec, name: str, fmt: str):
+    """``_by_expert_t`` with rowwise scales in two passes: amax, (its reduction over the expert's data-parallel
+    ranks, as ``tokens_amax``), then quantized straight into the transposed padded layout."""
+    scale_LX = scale_of(_reduced(tq.grouped_col_amax(x_MX, offs, gid_M), spec, name, False, tokens=True), fmt)
+    return tq.quant_t_padded(x_MX, scale_LX, offs, poffs_L, gid_P, P, fmt), scale_LX
+
+
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec):
@@ -82,7 +111,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         ctx.spec = spec
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
-        xq, xs = _cast(x_MK, rows_amax(x_MK, offs, gid_M, tiling(spec.recipe, "input"), spec, "x", row), fwd)
+        xq, xs = _rows(_quant_kernels(spec, x_MK), x_MK, offs, gid_M, spec, "input", "x", row, fwd)
         ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
         dtype, fmax = FORMATS[fwd]
         w_cm = saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2)  # column-major, as the kernel reads B
@@ -103,15 +132,21 @@ class _ScaledGroupedMM(torch.autograd.Function):
         t_in, t_grad, t_w = (tiling(spec.recipe, r) for r in ("input", "grad", "weight"))
         dy_MN = dy_MN.contiguous()
         # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
-        dyq, dys = _cast(dy_MN, rows_amax(dy_MN, offs, gid_M, t_grad, spec, "dy", col), bwd)
+        tq = _quant_kernels(spec, dy_MN)
+        dyq, dys = _rows(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd)
         wq, ws = _cast(w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd)
         dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs, False)
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries
         dest_M, poffs_L, _, P = padded_layout(offs, M, ALIGN)
         gid_P = expert_of_rows(P, poffs_L, x_MK.device)
-        xT_KP, xs_LK = _by_expert_t(x_MK, tokens_amax(x_MK, offs, t_in, spec, "x_t", row), dest_M, gid_P, P, fwd)
-        dyT_NP, ds_LN = _by_expert_t(dy_MN, tokens_amax(dy_MN, offs, t_grad, spec, "dy_t", col), dest_M, gid_P, P,
-                                     bwd)
+        if tq is not None:
+            xT_KP, xs_LK = _by_expert_t_fused(tq, x_MK, offs, gid_M, poffs_L, gid_P, P, spec, "x_t", fwd)
+            dyT_NP, ds_LN = _by_expert_t_fused(tq, dy_MN, offs, gid_M, poffs_L, gid_P, P, spec, "dy_t", bwd)
+        else:
+            xT_KP, xs_LK = _by_expert_t(x_MK, tokens_amax(x_MK, offs, t_in, spec, "x_t", row), dest_M, gid_P, P,
+                                        fwd)
+            dyT_NP, ds_LN = _by_expert_t(dy_MN, tokens_amax(dy_MN, offs, t_grad, spec, "dy_t", col), dest_M,
+                                         gid_P, P, bwd)
         dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32), False)
         return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None
 

@@ -1,0 +1,176 @@
+"""Triton kernels for the rowwise FP8 recipe's quantization on ``torch._scaled_grouped_mm`` (``fp8_grouped_kernels``):
+the same bits as the torch code (``fp8.scale_of``, ``fp8.saturate``, ``expert_padding.scatter_rows``) in fewer passes.
+
+rowwise_quant      q = sat(x * 448 / max(amax_row, 1e-12))          one read of x, one write (x forward, dy dgrad)
+grouped_col_amax   amax[e, k] = max over expert e's rows of |x[:, k]|  one read; rows past offs[-1] never read
+quant_t_padded     q^T in the wgrad layout: expert e's rows at its 16-aligned padded start, transposed to (X, P),
+                   zeros in the padding                                one read, one write
+
+The wgrad operand is the last two with the scale (and any amax reduction over ranks) in between. Bit-exactness:
+products are single fp32 multiplies, the scale torch's correctly rounded reciprocal times FMAX, the clamp keeps NaNs as
+torch's does, and the cast rounds to nearest even as torch's does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_moe.modules.fp8 import _TINY, FORMATS
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # torch's amax keeps NaNs
+
+
+@triton.jit
+def _sat(v, FMAX: tl.constexpr):
+    """torch's clamp(-FMAX, FMAX) (NaN stays NaN: comparisons with it are false), rounded as its E4M3 cast."""
+    return _rne_e4m3(tl.where(v > FMAX, FMAX, tl.where(v < -FMAX, -FMAX, v)))
+
+
+@triton.jit
+def _rne_e4m3(v):
+    """``v`` (saturated) rounded to the nearest E4M3 value, ties to even, in fp32: the cast that follows is then exact
+    on any backend (the interpreter's own fp8 rounding is not torch's). Normals keep 3 mantissa bits; subnormals
+    are multiples of 2^-9, which adding and removing 2^14 (whose ulp that is) rounds to."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    sub = ((tl.abs(v) + 16384.0) - 16384.0).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)  # keeps -0
+    return tl.where(tl.abs(v) < 0.015625, sub, normal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale(amax, FMAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
+    """``fp8.scale_of``: torch's ``FMAX / t`` is ``t.reciprocal() * FMAX`` (two roundings), the reciprocal exact."""
+    return tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), _max_nan(amax, TINY)) * FMAX
+
+
+@triton.jit
+def _rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, FMAX: tl.constexpr, TINY: tl.constexpr, ONE_PASS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    base = rows.to(tl.int64)[:, None] * K
+    cols = tl.arange(0, BLOCK_K)
+    if ONE_PASS:  # the rows fit in registers: read once
+        mask = rmask[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.reduce(tl.abs(x), 1, _max_nan)
+        scale = _scale(amax, FMAX, TINY, BLOCK_M)
+        q = _sat(x * scale[:, None], FMAX)
+        tl.store(q_ptr + base + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:  # wide rows: the second read comes from L2
+        amax = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = rmask[:, None] & (k0 + cols < K)[None, :]
+            x = tl.load(x_ptr + base + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = _max_nan(amax, tl.reduce(tl.abs(x), 1, _max_nan))
+        scale = _scale(amax, FMAX, TINY, BLOCK_M)
+        for k0 in range(0, K, BLOCK_K):
+            mask = rmask[:, None] & (k0 + cols < K)[None, :]
+            x = tl.load(x_ptr + base + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = _sat(x * scale[:, None], FMAX)
+            tl.store(q_ptr + base + k0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=rmask)
+
+
+@triton.jit
+def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_X: tl.constexpr):
+    """A chunk of CHUNK rows (usually within one expert) x BLOCK_X columns; atomic max into the zeroed (L, X)
+    amaxes (exact and order-free: a max)."""
+    r0 = tl.program_id(0) * CHUNK
+    r1 = tl.minimum(r0 + CHUNK, M)
+    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+    cmask = cols < X
+    rr = tl.arange(0, BLOCK_M)
+    g0 = tl.load(gid_ptr + r0)
+    g1 = tl.load(gid_ptr + r1 - 1)
+    for e in range(g0, g1 + 1):
+        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
+        end = tl.load(offs_ptr + e)  # rows past offs[-1] (tail) belong to no expert
+        lo, hi = tl.maximum(start, r0), tl.minimum(end, r1)
+        acc = tl.zeros((BLOCK_X,), tl.float32)
+        for r in range(lo, hi, BLOCK_M):
+            rows = r + rr
+            mask = (rows < hi)[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * X + cols[None, :], mask=mask, other=0.0)
+            acc = _max_nan(acc, tl.reduce(tl.abs(x.to(tl.float32)), 0, _max_nan))
+        if lo < hi:
+            tl.atomic_max(amax_ptr + e * X + cols, acc, mask=cmask)
+
+
+@triton.jit
+def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X, FMAX: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr):
+    """BLOCK_P padded positions x BLOCK_X columns: each position's expert (gid), its source row, a transposed
+    store. Padding positions (past their expert's rows, or past the last expert) read zeros."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+    pmask, cmask = p < P, cols < X
+    g = tl.load(gid_ptr + p, mask=pmask, other=0)
+    first = pmask & (g > 0)
+    start = tl.load(offs_ptr + g - 1, mask=first, other=0)
+    end = tl.load(offs_ptr + g, mask=pmask, other=0)
+    pstart = tl.load(poffs_ptr + g - 1, mask=first, other=0)
+    src = start + (p - pstart)
+    valid = pmask & (src < end)
+    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * X + cols[None, :], mask=valid[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    # padding rows are zeros times their expert's scale, as in the torch layout
+    s = tl.load(scale_ptr + g.to(tl.int64)[:, None] * X + cols[None, :], mask=pmask[:, None] & cmask[None, :],
+                other=1.0)
+    q = _sat(x * s, FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + cols.to(tl.int64)[:, None] * P + p[None, :], tl.trans(q), mask=cmask[:, None] & pmask[None, :])
+
+
+def rowwise_quant(x_MK: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_MK, scale_M1)``: ``fp8._cast(x, abs_amax(x, 1), fmt)``'s bits, in one pass."""
+    dtype, fmax = FORMATS[fmt]
+    x_MK = x_MK.contiguous()
+    M, K = x_MK.shape
+    q = torch.empty(M, K, device=x_MK.device, dtype=dtype)
+    s = torch.empty(M, 1, device=x_MK.device, dtype=torch.float32)
+    one = K <= 8192
+    BLOCK_K = triton.next_power_of_2(K) if one else 4096
+    BLOCK_M = max(1, 8192 // BLOCK_K)
+    if M:
+        _rowwise_kernel[(triton.cdiv(M, BLOCK_M),)](x_MK, q, s, M, K, FMAX=fmax, TINY=_TINY, ONE_PASS=one,
+                                                   BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=8,
+                                                   enable_fp_fusion=False)  # no FMA: torch's roundings
+    return q, s
+
+
+def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor) -> torch.Tensor:
+    """``(L, X)`` fp32: the max of |x| over each expert's rows (0 for an empty expert), ``_segment_amax``'s values.
+    ``gid_M``: each row's expert (``fp8_grouped.expert_of_rows``)."""
+    x_MX = x_MX.contiguous()
+    M, X = x_MX.shape
+    L = offs_L.numel()
+    amax = torch.zeros(L, X, device=x_MX.device, dtype=torch.float32)
+    CHUNK, BLOCK_X = 256, 128
+    if M:
+        _col_amax_kernel[(triton.cdiv(M, CHUNK), triton.cdiv(X, BLOCK_X))](
+            x_MX, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax, M, X, CHUNK=CHUNK,
+            BLOCK_M=32, BLOCK_X=BLOCK_X, num_warps=4)
+    return amax
+
+
+def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
+                   gid_P: torch.Tensor, P: int, fmt: str = "e4m3") -> torch.Tensor:
+    """``(X, P)``: ``saturate_rows_t(scatter_rows(x, dest, P), scale_LX, gid_P)``'s bits for the rows of experts
+    (``poffs_L``/``gid_P``: ``padded_layout``'s ends and ``expert_of_rows(P, poffs_L)``); zeros elsewhere."""
+    dtype, fmax = FORMATS[fmt]
+    x_MX = x_MX.contiguous()
+    X = x_MX.shape[1]
+    q = torch.empty(X, P, device=x_MX.device, dtype=dtype)
+    BLOCK_P, BLOCK_X = 128, 64
+    if P and X:
+        _quant_t_kernel[(triton.cdiv(P, BLOCK_P), triton.cdiv(X, BLOCK_X))](
+            x_MX, scale_LX.float().contiguous(), offs_L.to(torch.int32).contiguous(),
+            poffs_L.to(torch.int32).contiguous(), gid_P.to(torch.int32).contiguous(), q, P, X, FMAX=fmax,
+            BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, num_warps=4, enable_fp_fusion=False)
+    return q

@@ -1,0 +1,127 @@
+"""The rowwise FP8 quantization kernels (``triton_fp8_quant.py``) on CPU under the Triton interpreter, against the
+torch code they replace in ``fp8_grouped_kernels``: the same fp8 bytes and scales, exactly. Skipped without triton
+(CI); the GPU cases are ``tests/test_gpu_fp8_quant.py``. Run in a fresh process with ``TRITON_INTERPRET=1``, as
+``test_fused_interpret.py`` explains."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(INSIDE, reason="the outer test only")
+def test_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    bad = a.view(torch.uint8) != b.view(torch.uint8)
+    assert not bad.any(), f"{int(bad.sum())} fp8 bytes differ, first at {bad.nonzero()[:4].tolist()}"
+
+
+def _operand(M: int, K: int, dtype, seed: int) -> torch.Tensor:
+    """Gaussian rows at spread magnitudes, an all-zero row, one row with a single large value (the rest lands in
+    E4M3's subnormals), and exact ties of E4M3's rounding (normal and subnormal) after a scale of 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, M).unsqueeze(1)
+    if M > 2:
+        x[1] = 0
+        x[2] = torch.randn(K, generator=g) * 1e-3
+        x[2, 0] = 100.0
+    if M > 3:
+        ties = torch.tensor([64.0 + 4 * (2 * j + 1) for j in range(8)] + [2.0 ** -10 * (2 * j + 1) for j in range(8)])
+        x[3] = 448.0  # scale 1: the ties stay ties
+        x[3, 1:] = (ties * torch.tensor([1.0, -1.0]).repeat(8)).repeat(K // 16 + 1)[:K - 1]
+    return x.to(dtype)
+
+
+@inside
+@pytest.mark.parametrize("M,K,dtype", [(37, 100, torch.bfloat16), (9, 8192, torch.bfloat16),
+                                       (5, 9000, torch.bfloat16), (33, 64, torch.float32), (0, 48, torch.bfloat16)])
+def test_rowwise_quant(M, K, dtype):
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.fp8 import abs_amax
+    from lightning_moe.modules.fp8_grouped import _cast
+    x = _operand(M, K, dtype, M + K)
+    q, s = tq.rowwise_quant(x)
+    rq, rs = _cast(x, abs_amax(x, 1), "e4m3")
+    _same_bytes(q, rq)
+    assert s.shape == rs.shape and torch.equal(s, rs)
+
+
+COUNTS = [[5, 0, 17, 1, 0, 20], [0, 300, 3, 0, 290, 16, 0], [0, 0, 7], [64, 0, 32], [0, 0, 0]]
+
+
+@inside
+@pytest.mark.parametrize("counts,tail,X,dtype", [(COUNTS[0], 9, 72, torch.bfloat16), (COUNTS[1], 30, 40,
+                         torch.bfloat16), (COUNTS[2], 0, 200, torch.float32), (COUNTS[3], 16, 16, torch.bfloat16),
+                         (COUNTS[4], 5, 24, torch.bfloat16)])
+def test_grouped_colwise_quant_t(counts, tail, X, dtype):
+    """Per (expert, feature) scales over uneven and empty experts, written transposed into the 16-row padded
+    wgrad layout; tail rows hold NaN, which must reach neither an amax nor the layout."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.expert_padding import padded_layout
+    from lightning_moe.modules.fp8 import scale_of
+    from lightning_moe.modules.fp8_grouped import _segment_amax, expert_of_rows
+    from lightning_moe.modules.fp8_grouped_kernels import ALIGN, _by_expert_t
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    M = int(offs[-1]) + tail
+    x = _operand(M, X, dtype, M * X)
+    x[int(offs[-1]):] = float("nan")
+    x_ref = torch.where((torch.arange(M) < offs[-1]).unsqueeze(1), x, 0)  # the reference reads tail rows
+    gid_M = expert_of_rows(M, offs, x.device)
+    dest_M, poffs, _, P = padded_layout(offs, M, ALIGN)
+    gid_P = expert_of_rows(P, poffs, x.device)
+    amax = tq.grouped_col_amax(x, offs, gid_M)
+    ramax = _segment_amax(x_ref.abs(), offs)
+    assert torch.equal(amax, ramax)
+    q = tq.quant_t_padded(x, scale_of(amax, "e4m3"), offs, poffs, gid_P, P)
+    rq, rs = _by_expert_t(x_ref, ramax, dest_M, gid_P, P, "e4m3")
+    _same_bytes(q, rq)
+    assert torch.equal(scale_of(amax, "e4m3"), rs)
+
+
+@inside
+def test_wiring_helpers():
+    """``fp8_grouped_kernels``' fused helpers against their torch paths (the autograd function needs Hopper)."""
+    from lightning_moe.modules import fp8_grouped_kernels as k
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.expert_padding import padded_layout
+    from lightning_moe.modules.fp8_grouped import expert_of_rows, tokens_amax
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    spec = FP8Spec("rowwise")
+    assert k._quant_kernels(spec, torch.zeros(1)) is tq
+    assert k._quant_kernels(FP8Spec("tensorwise"), torch.zeros(1)) is None
+    assert k._quant_kernels(FP8Spec("rowwise", fp8_format="hybrid"), torch.zeros(1)) is None
+    offs = torch.tensor([3, 3, 40, 41]).to(torch.int32)
+    M = 45
+    x = _operand(M, 32, torch.bfloat16, 1)
+    gid_M = expert_of_rows(M, offs, x.device)
+    for role in ("input", "grad"):
+        a, b = k._rows(tq, x, offs, gid_M, spec, role, "x", False, "e4m3"), \
+            k._rows(None, x, offs, gid_M, spec, role, "x", False, "e4m3")
+        _same_bytes(a[0], b[0])
+        assert torch.equal(a[1], b[1])
+    dest_M, poffs, _, P = padded_layout(offs, M, k.ALIGN)
+    gid_P = expert_of_rows(P, poffs, x.device)
+    x[41:] = 0  # the torch layout carries tail rows past the last expert; the fused one writes zeros there
+    q, s = k._by_expert_t_fused(tq, x, offs, gid_M, poffs, gid_P, P, spec, "x_t", "e4m3")
+    rq, rs = k._by_expert_t(x, tokens_amax(x, offs, k.tiling("rowwise", "input"), spec, "x_t", False), dest_M,
+                            gid_P, P, "e4m3")
+    _same_bytes(q, rq)
+    assert torch.equal(s, rs)

@@ -1,0 +1,90 @@
+"""The rowwise FP8 quantization kernels (``triton_fp8_quant.py``) on the GPU (skipped without CUDA or triton): the
+same fp8 bytes and scales as the torch code at Qwen3's and Mixtral's expert shapes, and ``_ScaledGroupedMM``'s
+forward, dgrad and wgrad bit-identical with the kernels on and off (``fp8_grouped_kernels.FUSED_QUANT``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_moe.modules import fp8_grouped_kernels as k
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+tq = pytest.importorskip("lightning_moe.modules.triton_fp8_quant")
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or not k.available(torch.device("cuda")),
+                            reason="torch._scaled_grouped_mm needs SM 9.0")
+
+
+def _same_bytes(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    bad = a.view(torch.uint8) != b.view(torch.uint8)
+    assert not bad.any(), f"{int(bad.sum())} fp8 bytes differ, first at {bad.nonzero()[:4].tolist()}"
+
+
+def _uneven_offs(M_valid: int, L: int, g) -> torch.Tensor:
+    """Cumulative ends of L experts of very uneven sizes (some empty) summing to M_valid."""
+    w = torch.rand(L, generator=g, device="cuda") ** 3
+    w[torch.randperm(L, generator=g, device="cuda")[:L // 10]] = 0
+    counts = (w / w.sum() * M_valid).floor().long()
+    counts[int(w.argmax())] += M_valid - counts.sum()
+    return counts.cumsum(0).to(torch.int32)
+
+
+def _x(M, K, g, dtype=torch.bfloat16):
+    x = torch.randn(M, K, generator=g, device="cuda") * torch.logspace(-2, 2, M, device="cuda").unsqueeze(1)
+    x[::97] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("M,K", [(131072, 2048), (131072, 1536), (131072, 768), (16384, 28672), (1000, 100)])
+def test_rowwise_quant_exact(M, K):
+    from lightning_moe.modules.fp8 import abs_amax
+    from lightning_moe.modules.fp8_grouped import _cast
+    g = torch.Generator(device="cuda").manual_seed(K)
+    x = _x(M, K, g)
+    q, s = tq.rowwise_quant(x)
+    rq, rs = _cast(x, abs_amax(x, 1), "e4m3")
+    _same_bytes(q, rq)
+    assert torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("M,X,L", [(131072, 2048, 128), (131072, 1536, 128), (16384, 4096, 8), (3000, 200, 7)])
+def test_grouped_colwise_quant_t_exact(M, X, L):
+    from lightning_moe.modules.expert_padding import padded_layout
+    from lightning_moe.modules.fp8 import scale_of
+    from lightning_moe.modules.fp8_grouped import _segment_amax, expert_of_rows
+    g = torch.Generator(device="cuda").manual_seed(M + X)
+    offs = _uneven_offs(M - 100, L, g)  # 100 tail rows
+    x = _x(M, X, g)
+    x[offs[-1]:] = float("nan")
+    x_ref = torch.where((torch.arange(M, device="cuda") < offs[-1]).unsqueeze(1), x, 0)
+    gid_M = expert_of_rows(M, offs, x.device)
+    dest_M, poffs, _, P = padded_layout(offs, M, k.ALIGN)
+    gid_P = expert_of_rows(P, poffs, x.device)
+    amax = tq.grouped_col_amax(x, offs, gid_M)
+    ramax = _segment_amax(x_ref.abs(), offs)
+    assert torch.equal(amax, ramax)
+    q = tq.quant_t_padded(x, scale_of(amax, "e4m3"), offs, poffs, gid_P, P)
+    rq, rs = k._by_expert_t(x_ref, ramax, dest_M, gid_P, P, "e4m3")
+    _same_bytes(q, rq)
+
+
+@hopper
+@pytest.mark.parametrize("M,K,N,L", [(131072, 2048, 1536, 128), (8192, 512, 256, 16)])
+def test_scaled_grouped_mm_fused_on_off_identical(M, K, N, L, monkeypatch):
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    g = torch.Generator(device="cuda").manual_seed(0)
+    offs = _uneven_offs(M - 64, L, g)
+    x = _x(M, K, g)
+    w = (torch.randn(L, K, N, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    dy = torch.randn(M, N, generator=g, device="cuda").to(torch.bfloat16)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(k, "FUSED_QUANT", on)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = k.scaled_grouped_mm(xg, wg, offs, FP8Spec("rowwise"))
+        y.backward(dy)
+        v = int(offs[-1])
+        outs[on] = (y[:v], xg.grad[:v], wg.grad)
+    for a, b, name in zip(outs[True], outs[False], ("y", "dx", "dw")):
+        assert torch.equal(a, b), name
