@@ -303,7 +303,8 @@ def run_one(args, preset: str) -> dict:
             memory_callbacks.append(ActivationOffload(args.offload_activations.split(",")))
         if args.fp8:  # FLOPs stay counted as in bf16 (as Megatron counts them): MFU stays comparable
             from lightning_moe import FP8Training
-            memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format, fp8_dispatch=args.fp8_dispatch))
+            memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format, fp8_dispatch=args.fp8_dispatch,
+                                                cache_weights=not args.fp8_no_weight_cache))
         if args.nvfp4:
             from lightning_moe import NVFP4Training
             memory_callbacks.append(NVFP4Training())
@@ -398,6 +399,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--pack-documents", "--doc-median", str(args.doc_median)] if args.pack_documents else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
+        cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
         cmd += ["--nvfp4"] if args.nvfp4 else []
         cmd += ["--smoke"] if args.smoke else []
@@ -467,6 +469,8 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8", default=None, help="lightning_moe.FP8Training(recipe): tensorwise, delayed, rowwise, "
                    "blockwise")
     p.add_argument("--fp8-format", default=None, help="FP8Training(fp8_format=...): hybrid or e4m3")
+    p.add_argument("--fp8-no-weight-cache", action="store_true",
+                   help="FP8Training(cache_weights=False): quantize the expert weights at every micro-batch")
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="with --fp8: FP8Training(fp8_dispatch=True), the token all-to-all in FP8 (alltoall dispatcher)")
     p.add_argument("--nvfp4", action="store_true", help="lightning_moe.NVFP4Training() (emulated on Hopper)")

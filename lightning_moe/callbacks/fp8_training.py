@@ -50,11 +50,15 @@ class FP8Training(L.Callback):
             gradient returns in the activations' precision (straight-through), and the combine all-to-all stays in
             it. Under EP = 1 the same rounding applies where the all-to-all would be, so every layout gives the same
             numbers. Other dispatchers are refused. Independent of ``exclude`` (it applies to every MoE layer).
+        cache_weights: quantize each expert weight for the FP8 grouped kernels once per optimizer step, not once per
+            micro-batch (Transformer Engine's FP8 weight cache): the micro-batches of a step, and a validation between
+            steps, reuse it. Costs the FP8 copies (two layouts, 2 bytes per expert weight element) until the next
+            step. Not for the delayed recipe (its amax history advances at every use).
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
                  emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None,
-                 fp8_dispatch: bool = False):
+                 fp8_dispatch: bool = False, cache_weights: bool = True):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
         if fp8_format not in (None, "hybrid", "e4m3"):
@@ -68,8 +72,9 @@ class FP8Training(L.Callback):
             raise ValueError(f"FP8Training(amax_history={amax_history}): must be >= 1")
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
-        self.fp8_dispatch = fp8_dispatch
+        self.fp8_dispatch, self.cache_weights = fp8_dispatch, bool(cache_weights)
         self._swapped: list = []
+        self._cached: list = []  # the expert GEMMs' specs, whose weight caches follow trainer.global_step
         self._dispatchers: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -87,7 +92,10 @@ class FP8Training(L.Callback):
                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
         for g in targets:
-            swap(g, fp8_linear, fp8_grouped_mm, self._spec(g, ctx), self._swapped)
+            spec = self._spec(g, ctx)
+            swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
+            if g.grouped and self.cache_weights:
+                self._cached.append(spec)
         for d in dispatchers:
             d.fp8_dispatch = True
         self._dispatchers = dispatchers
@@ -134,7 +142,18 @@ class FP8Training(L.Callback):
             why = f"{g.name}: {g.K} x {g.N} is not a multiple of 16, which torch._scaled_mm needs"
         return why
 
+    def _at_step(self, trainer, *_) -> None:
+        """Before every batch: the weights are those after ``trainer.global_step`` optimizer steps, so a cached
+        quantization of another step is stale."""
+        for spec in self._cached:
+            spec.step = trainer.global_step
+
+    on_train_batch_start = on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _at_step
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        for spec in self._cached:
+            spec.step, spec.weights = None, {}
+        self._cached.clear()
         unswap(self._swapped)
         for d in self._dispatchers:
             d.__dict__.pop("fp8_dispatch", None)

@@ -112,9 +112,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
         xq, xs = _rows(_quant_kernels(spec, x_MK), x_MK, offs, gid_M, spec, "input", "x", row, fwd)
-        ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
-        dtype, fmax = FORMATS[fwd]
-        w_cm = saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2)  # column-major, as the kernel reads B
+        def quantize_w():
+            ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
+            dtype, fmax = FORMATS[fwd]
+            return saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2), ws  # column-major, as the kernel reads B
+
+        w_cm, ws = spec.cached_weight("w", w_LKN, quantize_w)
         y = _gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, True)
         return y.to(x_MK.dtype)
 
@@ -134,7 +137,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
         tq = _quant_kernels(spec, dy_MN)
         dyq, dys = _rows(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd)
-        wq, ws = _cast(w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd)
+        wq, ws = spec.cached_weight("w_t", w_LKN, lambda: _cast(
+            w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd))
         dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs, False)
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries
         dest_M, poffs_L, _, P = padded_layout(offs, M, ALIGN)

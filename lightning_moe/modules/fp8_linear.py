@@ -35,6 +35,24 @@ class FP8Spec:
     history: int = 16  # delayed scaling's amax window
     histories: dict = field(default_factory=dict)  # operand -> AmaxHistory (delayed)
     fp8_format: Optional[str] = None  # Megatron's --fp8-format: "hybrid" (E5M2 gradients) or "e4m3"; None: recipe's
+    # the optimizer step whose weights the quantized-weight cache holds (FP8Training sets it before every batch);
+    # None: no caching
+    step: Optional[int] = None
+    weights: dict = field(default_factory=dict)  # operand -> (step, weight's data_ptr, quantized tensors)
+
+    def cached_weight(self, name: str, w: torch.Tensor, make):
+        """``make()``, the quantized weight operand ``name``, made once per optimizer step: the micro-batches of a step
+        (and a validation between steps) see the same weights, as Transformer Engine caches FP8 weights. Not for
+        delayed scaling, whose amax history advances at every use, nor without a step (outside FP8Training)."""
+        if self.step is None or self.recipe == "delayed":
+            return make()
+        hit = self.weights.get(name)
+        if hit is not None and hit[0] == self.step and hit[1] == w.data_ptr():
+            return hit[2]
+        self.weights.pop(name, None)  # the old step's copy goes before the new one is made
+        out = make()
+        self.weights[name] = (self.step, w.data_ptr(), out)
+        return out
 
     def formats(self) -> tuple[str, str]:
         """(format of inputs and weights, format of gradients)."""

@@ -1,0 +1,52 @@
+"""FP8Training(cache_weights=True): the experts' quantized weights are made once per optimizer step
+(``FP8Spec.cached_weight``), keyed by ``trainer.global_step``, which the callback sets before every batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from lightning_moe import FP8Training
+from lightning_moe.modules.fp8_linear import FP8Spec
+from tests.callbacks.test_fp8_training import _lm, _start
+
+
+def test_cached_weight_is_made_once_per_step_and_weight():
+    spec, w, calls = FP8Spec("rowwise"), torch.ones(2, 3), []
+
+    def make():
+        calls.append(1)
+        return torch.full((1,), float(len(calls)))
+
+    assert spec.cached_weight("w", w, make).item() == 1 and len(calls) == 1  # no step: never cached
+    spec.step = 0
+    first = spec.cached_weight("w", w, make)
+    assert spec.cached_weight("w", w, make) is first and len(calls) == 2  # the second micro-batch reuses it
+    assert spec.cached_weight("w_t", w, make) is not first and len(calls) == 3  # another operand: its own entry
+    spec.step = 1  # the optimizer stepped: stale
+    assert spec.cached_weight("w", w, make) is not first and len(calls) == 4
+    other = torch.ones(2, 3)  # another weight tensor (e.g. a reload) at the same step: stale too
+    spec.cached_weight("w", other, make)
+    assert len(calls) == 5 and len(spec.weights) == 2
+    delayed = FP8Spec("delayed", step=0)  # its amax history advances at every use: never cached
+    delayed.cached_weight("w", w, make), delayed.cached_weight("w", w, make)
+    assert len(calls) == 7 and not delayed.weights
+
+
+def test_callback_sets_the_step_before_every_batch_and_clears_at_teardown():
+    lm = _lm()
+    cb = FP8Training("rowwise")
+    _start(cb, lm)
+    specs = cb._cached
+    assert specs and all(s.step is None for s in specs)
+    cb.on_train_batch_start(SimpleNamespace(global_step=3), lm, None, 0)
+    assert all(s.step == 3 for s in specs)
+    cb.on_validation_batch_start(SimpleNamespace(global_step=4), lm, None, 0, 0)
+    assert all(s.step == 4 for s in specs)
+    specs[0].weights["w"] = (4, 0, None)
+    cb.teardown(None, lm, "fit")
+    assert all(s.step is None and not s.weights for s in specs) and not cb._cached
+    off = FP8Training("rowwise", cache_weights=False)
+    _start(off, _lm())
+    assert not off._cached
