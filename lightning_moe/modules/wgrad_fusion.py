@@ -23,6 +23,7 @@ Shapes: T tokens (all leading dimensions), K input features, N output features.
 from __future__ import annotations
 
 import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -82,7 +83,7 @@ def linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)``, with the weight gradient accumulated straight into ``w.main_grad`` where a GradSync asked
     for it. Under autocast, or without gradients, plain ``F.linear``."""
     sync = sink_of(w_NK)
-    if sync is None or not torch.is_grad_enabled() or not w_NK.requires_grad or torch.is_autocast_enabled():
+    if (sync is None or not torch.is_grad_enabled() or not w_NK.requires_grad
+            or torch.is_autocast_enabled(x_TK.device.type)):
         return F.linear(x_TK, w_NK)
     return _LinearWgradIntoMainGrad.apply(x_TK, w_NK, sync)
-
