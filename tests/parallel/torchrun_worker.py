@@ -35,7 +35,21 @@ def main(work: str) -> int:
     except BaseException:  # noqa: BLE001 - the test reports it
         result = {"ok": False, "error": traceback.format_exc()}
     torch.save(result, Path(work, f"rank{rank}.pt"))
+    if result["ok"]:  # a failed rank leaves at once: the others may be inside a collective it never joined
+        _leave_together()
     return 0 if result["ok"] else 1
+
+
+def _leave_together() -> None:
+    """Every rank waits for the others, then the process groups go down in order. Left to the interpreter's exit,
+    a gloo group's threads were once still joinable (``terminate called without an active exception``, SIGABRT),
+    and the torchrun agents then failed on a closed rendezvous store although every rank had its result."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
