@@ -234,6 +234,8 @@ def strategy_kwargs(args) -> dict:
             kw["pipeline_schedule"] = args.schedule
         if args.overlap_p2p is not None:
             kw["overlap_p2p_comm"] = bool(args.overlap_p2p)
+        if args.overlap_moe_comm:
+            kw["overlap_moe_comm"] = True
     return kw
 
 
@@ -401,6 +403,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
+        cmd += ["--overlap-moe-comm"] if args.overlap_moe_comm else []
         cmd += ["--nvfp4"] if args.nvfp4 else []
         cmd += ["--smoke"] if args.smoke else []
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
@@ -461,6 +464,9 @@ def main(argv=None) -> dict:
     p.add_argument("--schedule", default=None, help="pipeline schedule: 1f1b, interleaved_1f1b, afab")
     p.add_argument("--overlap-p2p", type=int, default=None, choices=[0, 1],
                    help="MoEFoldStrategy(overlap_p2p_comm=...): pipeline transfers during compute (default: on)")
+    p.add_argument("--overlap-moe-comm", action="store_true",
+                   help="MoEFoldStrategy(overlap_moe_comm=True): merged forward-backward of micro-batches (needs "
+                        "--microbatches >= 2 and EP or ETP)")
     p.add_argument("--experts", type=int, default=None, help="num_experts (default per preset)")
     p.add_argument("--first-k-dense", type=int, default=None, help="dense layers first (default per preset)")
     p.add_argument("--dispatcher", default=None, help="token dispatcher (default: the preset's, alltoall)")

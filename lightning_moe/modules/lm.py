@@ -180,6 +180,18 @@ class MoELanguageModel(L.LightningModule):
         loss of the micro-batch; the chunk's auxiliary loss)."""
         out, aux = self.model.forward_chunk(chunk, micro_batch["input_ids"], x_BSD, micro_batch.get("position_ids"),
                                             micro_batch.get("document_ids"))
+        return self._pipeline_forward_end(chunk, micro_batch, out, aux)
+
+    def pipeline_forward_steps(self, chunk: int, micro_batch: dict, x_BSD: Optional[torch.Tensor]):
+        """``pipeline_forward`` as a generator cut at the MoE layers' token exchanges, for
+        ``MoEFoldStrategy(overlap_moe_comm=True)`` (``MoETransformer.forward_chunk_steps``)."""
+        out, aux = yield from self.model.forward_chunk_steps(
+            chunk, micro_batch["input_ids"], x_BSD, micro_batch.get("position_ids"), micro_batch.get("document_ids"),
+            steps=True)
+        return self._pipeline_forward_end(chunk, micro_batch, out, aux)
+
+    def _pipeline_forward_end(self, chunk: int, micro_batch: dict, out: torch.Tensor,
+                              aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.training:  # each MoE layer's routing counts, summed over the step's micro-batches (see below)
             for i in self.model.chunk_layers[chunk]:
                 stats = self.model.layers[i].ffn.last_stats if self.model.layers[i].is_moe else None

@@ -11,12 +11,15 @@ in the attention layout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 from torch import nn
 
 from lightning_moe.modules import replay
 from lightning_moe.modules.config import ModelConfig
-from lightning_moe.modules.dispatcher import build_dispatcher
+from lightning_moe.modules.dispatcher import DispatchState, build_dispatcher
 from lightning_moe.modules.experts import GroupedExperts, SwiGLU
 from lightning_moe.modules.router import TopKRouter
 from lightning_moe.modules.tensor_parallel import gather_seq_replicated, mark_grad_sum_over_tp, split_seq
@@ -56,6 +59,16 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the layer output and its auxiliary loss (load balancing + z-loss, coefficients applied)."""
+        s = self.begin(x_BSD)
+        self.send(s)
+        self.compute(s)
+        self.receive(s)
+        return self.finish(s)
+
+    # The forward in five steps: local, communication, local, communication, local. ``overlap_moe_comm`` runs one
+    # micro-batch's communication steps while another micro-batch computes (strategy/pipeline/moe_overlap.py).
+    def begin(self, x_BSD: torch.Tensor) -> "MoEStep":
+        """Shared experts (on a side stream when overlapped), the router, and the permute into expert order."""
         shared_BSD, side = self._shared(x_BSD) if self.shared_experts is not None else (None, None)
         tp_group = self.ctx.group("tp")
         split = tp_group is not None and not self.ctx.sequence_parallel
@@ -64,17 +77,51 @@ class MoELayer(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         route = self.router(x_TD, num_sequences=B)
-        x_MD, tokens_per_local_expert_L, st = self.dispatcher.dispatch(x_TD, route)
-        y_MD = self.experts(x_MD, tokens_per_local_expert_L, has_tail=st.has_tail)
-        y_BSD = self.dispatcher.combine(y_MD, st).to(x_BSD.dtype).view(B, S, D)
-        if split:
-            y_BSD = gather_seq_replicated(y_BSD, tp_group)
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
-            shared_BSD.record_stream(torch.cuda.current_stream())
-        if shared_BSD is not None:
-            y_BSD = y_BSD + shared_BSD
+        x_ND, st = self.dispatcher.dispatch_preprocess(x_TD, route)
+        stats = {"tokens_per_expert": route.tokens_per_expert_E, "num_dropped": route.num_dropped,
+                 "aux_loss": route.aux_loss.detach(), "z_loss": route.z_loss.detach()}
+        return MoEStep(x_ND, st, (B, S, D), x_BSD.dtype, split, shared_BSD, side, route.aux_loss + route.z_loss,
+                       stats)
+
+    def send(self, s: "MoEStep") -> None:
+        """Token dispatch (communication): the routed rows to the ranks that own their experts."""
+        s.x = self.dispatcher.token_dispatch(s.x, s.st)
+
+    def compute(self, s: "MoEStep") -> None:
+        """Sort what arrived by local expert, run the experts, and undo the sort."""
+        x_MD, tokens_per_local_expert_L = self.dispatcher.dispatch_postprocess(s.x, s.st)
+        y_MD = self.experts(x_MD, tokens_per_local_expert_L, has_tail=s.st.has_tail)
+        s.x = self.dispatcher.combine_preprocess(y_MD, s.st)
+
+    def receive(self, s: "MoEStep") -> None:
+        """Token combine (communication): the expert outputs back to the tokens' ranks."""
+        s.x = self.dispatcher.token_combine(s.x, s.st)
+
+    def finish(self, s: "MoEStep") -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpermute and weight by the router probabilities, then add the shared experts."""
+        y_BSD = self.dispatcher.combine_postprocess(s.x, s.st).to(s.dtype).view(s.shape)
+        if s.split:
+            y_BSD = gather_seq_replicated(y_BSD, self.ctx.group("tp"))
+        if s.side is not None:
+            torch.cuda.current_stream().wait_stream(s.side)
+            s.shared.record_stream(torch.cuda.current_stream())
+        if s.shared is not None:
+            y_BSD = y_BSD + s.shared
         if not replay.replaying():  # a recomputation's replay reports nothing new
-            self.last_stats = {"tokens_per_expert": route.tokens_per_expert_E, "num_dropped": route.num_dropped,
-                               "aux_loss": route.aux_loss.detach(), "z_loss": route.z_loss.detach()}
-        return y_BSD, route.aux_loss + route.z_loss
+            self.last_stats = s.stats
+        return y_BSD, s.aux
+
+
+@dataclass
+class MoEStep:
+    """One forward call's state between the steps of ``MoELayer``: the tensor in flight (routed rows, expert
+    outputs, ...), the dispatcher's state, and what ``finish`` needs."""
+    x: torch.Tensor
+    st: DispatchState
+    shape: tuple[int, int, int]  # (B, S, D) of the tokens this rank routes
+    dtype: torch.dtype
+    split: bool  # TP without SP: the layer kept this rank's sequence chunk and gathers the outputs at the end
+    shared: Optional[torch.Tensor]
+    side: Optional[torch.cuda.Stream]
+    aux: torch.Tensor  # load-balancing + z-loss, coefficients applied
+    stats: dict = field(default_factory=dict)

@@ -58,6 +58,30 @@ class Block(nn.Module):
             y_BSD, aux = self.ffn(self.ffn_norm(x_BSD)), x_BSD.new_zeros((), dtype=torch.float32)
         return x_BSD + y_BSD, aux
 
+    def steps(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, mask: Optional[Mask] = None):
+        """``forward`` as a generator cut at the MoE layer's two token exchanges (``overlap_moe_comm``). Before each
+        step it yields the kind of step that comes next (``"comm"`` or ``"comp"``) and every tensor still needed, and
+        goes on with what it is sent back (the same tensors, cut from the graph: strategy/pipeline/moe_overlap.py).
+        Returns what ``forward`` returns. A dense block is one local step."""
+        if not self.is_moe:
+            return self(x_BSD, positions_S) if mask is None else self(x_BSD, positions_S, mask)
+        if "forward" in self.__dict__ or "forward" in self.ffn.__dict__:
+            raise ValueError("MoEFoldStrategy(overlap_moe_comm=True) runs each MoE block in steps and cannot keep a "
+                             "callback's wrapper around the whole block or MoE layer (Recompute, ActivationOffload): "
+                             "use one or the other")
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_S, mask)
+        moe = self.ffn
+        s = moe.begin(self.ffn_norm(x_BSD))
+        x_BSD, s = yield "comm", (x_BSD, s)
+        moe.send(s)
+        x_BSD, s = yield "comp", (x_BSD, s)
+        moe.compute(s)
+        x_BSD, s = yield "comm", (x_BSD, s)
+        moe.receive(s)
+        x_BSD, s = yield "comp", (x_BSD, s)
+        y_BSD, aux = moe.finish(s)
+        return x_BSD + y_BSD, aux
+
 
 class Layers(nn.ModuleDict):
     """This rank's blocks keyed by their global layer index, so that parameter names (``layers.7.attn...``) are those
@@ -132,6 +156,11 @@ class MoETransformer(nn.Module):
     def forward_chunk(self, chunk: int, tokens_BS: torch.Tensor, x_BSD: Optional[torch.Tensor] = None,
                       position_ids_BS: Optional[torch.Tensor] = None,
                       document_ids_BS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_steps(self.forward_chunk_steps(chunk, tokens_BS, x_BSD, position_ids_BS, document_ids_BS))
+
+    def forward_chunk_steps(self, chunk: int, tokens_BS: torch.Tensor, x_BSD: Optional[torch.Tensor] = None,
+                            position_ids_BS: Optional[torch.Tensor] = None,
+                            document_ids_BS: Optional[torch.Tensor] = None, steps: bool = False):
         """One model chunk: the embedding on the first stage (``x_BSD`` is then ignored), its blocks, and on the last
         stage the final norm and head. Returns (hidden states or logits, the chunk's summed auxiliary loss).
         Packed documents (``TokenDataModule(pack_documents=True)``) give each row's positions and document ids:
@@ -156,8 +185,19 @@ class MoETransformer(nn.Module):
                 else local(position_ids_BS)
         if self.is_first_chunk(chunk):
             x_BSD = self.embed(local(tokens_BS))
+        head_weight = self.embed.weight if self.head is None and self.is_last_chunk(chunk) else None
+        if steps and head_weight is not None and self.is_first_chunk(chunk):
+            # the tied head's own leaf of the weight: its gradient joins the embedding's in the first step's
+            # backward, summed before it is accumulated, as in one backward
+            head_weight = yield "leaf", head_weight
         aux = x_BSD.new_zeros((), dtype=torch.float32)
         for i in self.chunk_layers[chunk]:
+            if steps:
+                x_BSD, layer_aux = yield from self.layers[i].steps(x_BSD, positions, mask)
+                if layer_aux.requires_grad:
+                    yield "loss", layer_aux
+                aux = aux + layer_aux.detach()
+                continue
             # the mask only when there is one: CUDA-graphed blocks take (x, positions)
             x_BSD, layer_aux = self.layers[i](x_BSD, positions) if mask is None else \
                 self.layers[i](x_BSD, positions, mask)
@@ -167,7 +207,7 @@ class MoETransformer(nn.Module):
         h_BSD = self.norm(x_BSD)
         if self.head is not None:
             return self.head(h_BSD), aux
-        return F.linear(enter_tp_region(h_BSD, self.ctx), self.embed.weight), aux
+        return F.linear(enter_tp_region(h_BSD, self.ctx), head_weight), aux
 
     def forward(self, tokens_BS: torch.Tensor, position_ids_BS: Optional[torch.Tensor] = None,
                 document_ids_BS: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +255,16 @@ class MoETransformer(nn.Module):
 
     def moe_layers(self) -> list[MoELayer]:
         return [blk.ffn for blk in self.layers if blk.is_moe]
+
+
+def run_steps(gen):
+    """Run a steps generator (``forward_chunk_steps``) without cutting anything; its return value."""
+    try:
+        kind, value = next(gen)
+        while True:
+            kind, value = gen.send(value if kind != "loss" else None)  # "leaf": the tensor itself
+    except StopIteration as done:
+        return done.value
 
 
 def check_model_layout(cfg: ModelConfig, ctx_or_layout, pipeline_first_layers: Optional[int] = None,

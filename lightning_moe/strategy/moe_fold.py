@@ -72,6 +72,21 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:300]
 
 
+def _check_overlap_moe_comm(on, pp: int, num_microbatches: int, ep: int, etp: int, cuda_graphs: bool) -> None:
+    if not isinstance(on, bool):
+        raise ValueError(f"MoEFoldStrategy: overlap_moe_comm must be True or False, got {on!r}")
+    if not on:
+        return
+    why = ("pipeline_parallel_size > 1 is not supported yet (the merged schedule runs one stage)" if pp > 1 else
+           f"it needs num_microbatches >= 2 (got {num_microbatches}): one micro-batch's exchanges overlap another's "
+           "compute" if num_microbatches < 2 else
+           "expert_parallel_size x expert_tensor_parallel_size = 1 has no token exchange to overlap"
+           if ep * etp == 1 else
+           "CUDA graphs capture whole blocks, which the merged schedule runs in steps" if cuda_graphs else None)
+    if why:
+        raise ValueError(f"MoEFoldStrategy(overlap_moe_comm=True): {why}")
+
+
 class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
     """Train MoE models with attention and MoE layers on separate, folded process groups.
 
@@ -94,6 +109,12 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             numbers as the synchronous exchanges on gloo and over NCCL, and 1.83x the tokens/s of them for qwen3 in
             PP2 on 2 H200s (docs/PERFORMANCE.md). False: the synchronous exchanges, each completed with a device
             synchronisation before the stage computes again.
+        overlap_moe_comm: Megatron's ``--overlap-moe-expert-parallel-comm``: with ``num_microbatches`` >= 2 and no
+            pipeline, the forward of each micro-batch runs merged with the backward of the one before, so that every
+            MoE token exchange (dispatch, combine and their backwards) of one runs on a side stream while the other
+            computes (``strategy/pipeline/moe_overlap.py``). Needs an MoE layout with token exchanges (ep x etp >
+            1); the same numbers as without it. Not yet with pipeline parallelism, CUDA graphs, or callbacks that
+            wrap whole blocks (Recompute, ActivationOffload): refused.
         sequence_parallel: shard activations over TP outside the TP regions (default: on when TP > 1).
         bucket_size_mb: gradient all-reduce bucket size.
         overlap_grad_sync: launch bucket all-reduces during the last backward of each step.
@@ -144,7 +165,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  num_microbatches: int = 1, sequence_parallel: Optional[bool] = None,
                  pipeline_schedule: Optional[str] = None, pipeline_first_stage_layers: Optional[int] = None,
                  pipeline_last_stage_layers: Optional[int] = None, overlap_p2p_comm: bool = True,
-                 bucket_size_mb: float = 25.0,
+                 overlap_moe_comm: bool = False, bucket_size_mb: float = 25.0,
                  overlap_grad_sync: bool = True, fp32_main_params: Optional[bool] = None,
                  timeout: Union[float, timedelta] = 1800.0,
                  process_group_backend: Optional[str] = None, cuda_graphs: bool = False,
@@ -183,6 +204,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             rank_zero_warn(f"MoEFoldStrategy: num_microbatches={num_microbatches} < pipeline_parallel_size="
                            f"{pipeline_parallel_size} leaves the pipeline idle {bubble:.0%} of the time; use at "
                            "least as many micro-batches as stages (Megatron uses >= 4x)")
+        _check_overlap_moe_comm(overlap_moe_comm, pipeline_parallel_size, num_microbatches, expert_parallel_size,
+                                expert_tensor_parallel_size, cuda_graphs)
+        self.overlap_moe_comm = overlap_moe_comm
         if cuda_graphs:
             why = unsupported_layout(tensor_parallel_size, context_parallel_size, expert_parallel_size,
                                      expert_tensor_parallel_size, pipeline_parallel_size, num_microbatches)
@@ -390,8 +414,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
 
     def _setup_pipeline(self, trainer) -> None:
         module = self.lightning_module
-        missing = [n for n in ("pipeline_model", "pipeline_input_shape", "pipeline_forward", "pipeline_step_end")
-                   if not callable(getattr(module, n, None))]
+        needed = ("pipeline_model", "pipeline_input_shape", "pipeline_forward", "pipeline_step_end") + \
+            (("pipeline_forward_steps",) if self.overlap_moe_comm else ())
+        missing = [n for n in needed if not callable(getattr(module, n, None))]
         if missing:
             raise TypeError(f"MoEFoldStrategy: pipeline schedules (pipeline_parallel_size={self.pp}, num_microbatches="
                             f"{self.num_microbatches}) need the LightningModule to implement {', '.join(missing)} "
@@ -403,7 +428,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             raise ValueError("MoEFoldStrategy: pipeline schedules do not support fp16 loss scaling (precision="
                              "'16-mixed'); use 'bf16-mixed' or 'bf16-true'")
         self._pipeline = PipelineEngine(self.parallel_context, self.pipeline_schedule, self.num_microbatches,
-                                        self.root_device, overlap_p2p=self.overlap_p2p_comm)
+                                        self.root_device, overlap_p2p=self.overlap_p2p_comm,
+                                        overlap_moe_comm=self.overlap_moe_comm)
 
     def _check_cuda_graphs(self) -> None:
         if self.root_device.type != "cuda":

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_moe.strategy.pipeline.moe_overlap import Tape, run_merged
 from lightning_moe.strategy.pipeline.p2p import OverlappedComm, StageComm
 from lightning_moe.strategy.pipeline.schedules import exchange_plans, op_messages, simulate, simulate_plans
 
@@ -72,8 +73,14 @@ class _Timer:
 
 
 class PipelineEngine:
-    def __init__(self, ctx, schedule: str, num_microbatches: int, device: torch.device, overlap_p2p: bool = True):
+    def __init__(self, ctx, schedule: str, num_microbatches: int, device: torch.device, overlap_p2p: bool = True,
+                 overlap_moe_comm: bool = False):
         self.ctx, self.schedule, self.m = ctx, schedule, num_microbatches
+        if overlap_moe_comm and (ctx.pp > 1 or num_microbatches < 2):
+            raise ValueError("overlap_moe_comm runs without pipeline parallelism and with num_microbatches >= 2")
+        self.overlap_moe_comm = overlap_moe_comm
+        # the MoE token exchanges' side stream (overlap_moe_comm on CUDA)
+        self.moe_stream = torch.cuda.Stream(device=device) if overlap_moe_comm and device.type == "cuda" else None
         self.pp, self.rank = ctx.pp, ctx.rank("pp")
         self.vpp = ctx.virtual_pipeline_size if ctx.vpp > 1 else None
         self.overlap_p2p = overlap_p2p and self.pp > 1
@@ -117,6 +124,8 @@ class PipelineEngine:
         param = next(p for p in model.parameters() if p.is_floating_point())
         shape, dtype, device = tuple(module.pipeline_input_shape(mbs[0])), param.dtype, param.device
         scale = loss_scale / self.m
+        if train and self.overlap_moe_comm:
+            return self._run_merged(module, mbs, scale, grad_sync, forward_context, device)
         last_b = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
         if train and grad_sync is not None and grad_sync.armed:
             grad_sync.expect_final([])  # from now on only the last backward of each chunk launches its buckets
@@ -179,3 +188,32 @@ class PipelineEngine:
             self._timer = timer
         lm = self.ctx.all_reduce_(lm_sum / self.m, "pp")  # only the last stage computed it
         return lm, aux_sum / self.m
+
+    def _run_merged(self, module, mbs: list, scale: float, grad_sync, forward_context: Callable,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``overlap_moe_comm`` (one pipeline stage): F(0), then the forward of each next micro-batch merged with
+        the backward of the one before (``moe_overlap.run_merged``), then B(m - 1)."""
+        model = module.pipeline_model()
+        if grad_sync is not None and grad_sync.armed:
+            grad_sync.expect_final([])
+        timer = _Timer(device)
+        timer.mark()
+        lm_sum = torch.zeros((), device=device, dtype=torch.float32)
+        aux_sum = torch.zeros((), device=device, dtype=torch.float32)
+        previous = None
+        for i in range(self.m + 1):
+            tape = Tape(module.pipeline_forward_steps(0, mbs[i], None), scale, forward_context) if i < self.m else None
+            if tape is None and grad_sync is not None and grad_sync.armed:
+                grad_sync.expect_final(model.chunk_parameters(0))  # the last backward launches the buckets
+            timer.mark()
+            run_merged(tape, previous, self.moe_stream)
+            timer.mark()
+            if tape is not None:
+                loss, aux = tape.result  # the MoE layers' auxiliary losses are roots of their own steps already
+                lm_sum += loss.detach().float()
+                aux_sum += aux.detach().float()
+                tape.add_roots([loss * scale])
+            previous = tape
+        timer.mark()
+        self._timer = timer
+        return lm_sum / self.m, aux_sum / self.m
