@@ -113,6 +113,10 @@ def test_cut_replaces_every_tensor_that_needs_a_gradient_once():
     leaf = leaves[0][1]
     assert out["x"][0] is leaf and out["y"][0] is leaf and out["x"][1] is b
     assert leaf.is_leaf and leaf.requires_grad and torch.equal(leaf, a)
+    # leaves (parameters, earlier cuts) stay themselves unless asked for
+    assert cut((leaf,), [], {})[0] is leaf
+    more: list = []
+    assert cut(leaf, more, {}, leaves_too=True) is not leaf and more[0][0] is leaf
 
 
 def test_a_wrapped_block_is_refused():

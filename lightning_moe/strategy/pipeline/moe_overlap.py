@@ -36,11 +36,14 @@ import torch
 COMM, COMP = "comm", "comp"
 
 
-def cut(value, leaves: list, memo: dict):
+def cut(value, leaves: list, memo: dict, leaves_too: bool = False):
     """``value`` with every tensor that requires a gradient replaced by a detached leaf that requires one; each
-    (original, leaf) pair is appended to ``leaves``. Walks tuples, lists, dicts and dataclasses (in place)."""
+    (original, leaf) pair is appended to ``leaves``. Walks tuples, lists, dicts and dataclasses (in place). A leaf
+    (a parameter, or a tensor cut before and carried on unchanged) stays itself unless ``leaves_too``: the later
+    steps add their gradients to it directly (and on CUDA its gradient accumulator is not created in a backward
+    on the exchanges' stream)."""
     if isinstance(value, torch.Tensor):
-        if not value.requires_grad:
+        if not value.requires_grad or (value.grad_fn is None and not leaves_too):
             return value
         if id(value) not in memo:  # one leaf per tensor, however often it is referenced
             leaf = value.detach().requires_grad_()
@@ -48,12 +51,12 @@ def cut(value, leaves: list, memo: dict):
             leaves.append((value, leaf))
         return memo[id(value)]
     if isinstance(value, (tuple, list)):
-        return type(value)(cut(v, leaves, memo) for v in value)
+        return type(value)(cut(v, leaves, memo, leaves_too) for v in value)
     if isinstance(value, dict):
-        return {k: cut(v, leaves, memo) for k, v in value.items()}
+        return {k: cut(v, leaves, memo, leaves_too) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            setattr(value, f.name, cut(getattr(value, f.name), leaves, memo))
+            setattr(value, f.name, cut(getattr(value, f.name), leaves, memo, leaves_too))
     return value
 
 
@@ -90,7 +93,7 @@ class Tape:
                         self._send = None
                         continue
                     if kind == "leaf":  # cut now, backpropagated with this step (a tied weight used again later)
-                        self._send = cut(value, step.cuts, {})
+                        self._send = cut(value, step.cuts, {}, leaves_too=True)
                         continue
                     self._send = cut(value, step.cuts, {})
                     self.steps.append(_Step(kind))
