@@ -43,6 +43,7 @@ from common import elapsed_ms, emit, env_info, log, peak_memory, pick_device, st
 from torch import nn
 
 from lightning_moe.modules.config import ModelConfig
+from lightning_moe.modules.experts import swiglu
 from lightning_moe.modules.fp8 import RECIPES
 from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
 from lightning_moe.modules.fp8_linear import FP8Spec
@@ -166,6 +167,12 @@ def bare_block(x_MD, w13_EDF2, w2_EFD, offs_E):
     return F.grouped_mm(F.silu(gate_MF) * up_MF, w2_EFD, offs=offs_E)
 
 
+def bare_fused_block(x_MD, w13_EDF2, w2_EFD, offs_E):
+    """The bare block with the layer's one-pass Triton SwiGLU (the stricter limit: the same activation kernel)."""
+    h_M2F = F.grouped_mm(x_MD, w13_EDF2, offs=offs_E)
+    return F.grouped_mm(swiglu(h_M2F, fused=True), w2_EFD, offs=offs_E)
+
+
 def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
     h_M2F = fp8_grouped_mm(x_MD, w13_EDF2, offs_E, spec1)
     gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
@@ -222,7 +229,9 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     B = max(1, T // SEQ) if T % SEQ == 0 else 1
     cfg = ModelConfig(hidden_size=h, num_experts=E, moe_ffn_hidden_size=f, topk=k, num_layers=1,
                       seq_length=T // B, compile_router=args.compile_router, router_fusion=not args.unfused,
-                      permute_fusion=not args.unfused, router_dtype=args.router_dtype, **shape["router"])
+                      permute_fusion=not args.unfused, router_dtype=args.router_dtype,
+                      probs_in_experts=not args.probs_in_combine, swiglu_fusion=not args.no_swiglu_fusion,
+                      **shape["router"])
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -318,6 +327,12 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
     t_bare["tflops"] = tflops(flops, t_bare["median_ms"])
     rec["bare"] = t_bare
     rec["ratio_layer_over_bare"] = t_bare["median_ms"] / t_layer["median_ms"]
+    if device.type == "cuda":  # the same block with the Triton SwiGLU the layer runs by default
+        t = time_fn(lambda: bare_fused_block(x_MD, w13, w2, offs_E).backward(g_MD), device, args.iters, args.warmup,
+                    bare_tensors, args.timer)
+        t["tflops"] = tflops(flops, t["median_ms"])
+        rec["bare_fused_swiglu"] = t
+        rec["ratio_layer_over_bare_fused_swiglu"] = t["median_ms"] / t_layer["median_ms"]
     for precision, t_fp8_layer in fp8_layers.items():
         spec1, spec2 = fp8_specs(precision)
 
@@ -367,6 +382,9 @@ def main(argv=None) -> dict:
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--router-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="ModelConfig.router_dtype: the router GEMM in float32 or in bf16 with float32 logits")
+    p.add_argument("--probs-in-combine", action="store_true",
+                   help="ModelConfig.probs_in_experts=False: the combine weights the expert outputs (the old way)")
+    p.add_argument("--no-swiglu-fusion", action="store_true", help="ModelConfig.swiglu_fusion=False (torch SwiGLU)")
     p.add_argument("--unfused", action="store_true",
                    help="router_fusion=False, permute_fusion=False: the torch reference router and permutes")
     p.add_argument("--precision", default="bf16",
@@ -408,7 +426,9 @@ def main(argv=None) -> dict:
             continue
         log(f"{name}: layer {rec['layer']['median_ms']:.3f} ms ({rec['layer']['tflops']:.1f} TFLOP/s), bare "
             f"{rec['bare']['median_ms']:.3f} ms ({rec['bare']['tflops']:.1f} TFLOP/s), "
-            f"ratio {rec['ratio_layer_over_bare']:.3f}")
+            f"ratio {rec['ratio_layer_over_bare']:.3f}"
+            + (f", against the bare block with the Triton SwiGLU {rec['ratio_layer_over_bare_fused_swiglu']:.3f}"
+               if "bare_fused_swiglu" in rec else ""))
         for precision, r in rec.get("fp8", {}).items():
             log(f"{name} {precision}: layer x{r['layer_speedup']:.2f}, block x{r['bare_speedup']:.2f} over bf16")
         records.append(rec)

@@ -265,6 +265,10 @@ def run_one(args, preset: str) -> dict:
         overrides["num_experts"] = args.experts
     if args.first_k_dense is not None:
         overrides["first_k_dense"] = args.first_k_dense
+    if args.probs_in_combine:
+        overrides["probs_in_experts"] = False
+    if args.no_swiglu_fusion:
+        overrides["swiglu_fusion"] = False
     cfg = ModelConfig.from_preset(preset, **overrides)
     if cfg.vocab_size > 65535:
         raise SystemExit(f"error: vocab {cfg.vocab_size} does not fit the uint16 token file; pass --vocab")
@@ -404,6 +408,8 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
         cmd += ["--overlap-moe-comm"] if args.overlap_moe_comm else []
+        cmd += ["--probs-in-combine"] if args.probs_in_combine else []
+        cmd += ["--no-swiglu-fusion"] if args.no_swiglu_fusion else []
         cmd += ["--nvfp4"] if args.nvfp4 else []
         cmd += ["--smoke"] if args.smoke else []
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
@@ -464,6 +470,9 @@ def main(argv=None) -> dict:
     p.add_argument("--schedule", default=None, help="pipeline schedule: 1f1b, interleaved_1f1b, afab")
     p.add_argument("--overlap-p2p", type=int, default=None, choices=[0, 1],
                    help="MoEFoldStrategy(overlap_p2p_comm=...): pipeline transfers during compute (default: on)")
+    p.add_argument("--probs-in-combine", action="store_true",
+                   help="ModelConfig.probs_in_experts=False: the combine weights the expert outputs (the old way)")
+    p.add_argument("--no-swiglu-fusion", action="store_true", help="ModelConfig.swiglu_fusion=False (torch SwiGLU)")
     p.add_argument("--overlap-moe-comm", action="store_true",
                    help="MoEFoldStrategy(overlap_moe_comm=True): merged forward-backward of micro-batches (needs "
                         "--microbatches >= 2 and EP or ETP)")

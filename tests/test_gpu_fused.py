@@ -57,8 +57,10 @@ def test_resort_matches_reference(S, L, align):
 @pytest.mark.parametrize("T,D,E,k", [(2048, 2048, 128, 8), (1000, 4096, 8, 2), (512, 7168, 64, 6)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kw", [dict(), dict(expert_rows_align=16), dict(capacity_factor=1.0),
-                                dict(capacity_factor=1.0, pad_to_capacity=True, expert_rows_align=16)],
-                         ids=["dropless", "fp8_aligned", "dropping", "padded_capacity"])
+                                dict(capacity_factor=1.0, pad_to_capacity=True, expert_rows_align=16),
+                                dict(probs_in_experts=False), dict(capacity_factor=1.0, probs_in_experts=False)],
+                         ids=["dropless", "fp8_aligned", "dropping", "padded_capacity", "weighted_combine",
+                              "weighted_combine_dropping"])
 def test_dispatch_matches_reference(T, D, E, k, dtype, kw):
     check_dispatch("cuda", T, D, E, k, dtype, **kw)
 

@@ -86,6 +86,13 @@ class ModelConfig:
     # and the CPU path. router_fusion wins over compile_router, which then compiles only the reference's fallbacks.
     router_fusion: bool = True  # scores, top-k, gates, counts, loss partial sums: modules/fused_router.py
     permute_fusion: bool = True  # expert order by count + prefix sum, no argsort: modules/expert_order.py
+    swiglu_fusion: bool = True  # (weighted) SwiGLU in one pass forward and one backward (Megatron's --bias-swiglu-fusion)
+    # the router probabilities weight each expert row after the activation, before the second GEMM (Megatron's
+    # weighted SwiGLU), so the combine only sums: it keeps no expert output for the probabilities' gradient (one
+    # activation of T*K*D per layer less). False: the combine weights the outputs (the probabilities' gradient is
+    # then a dot product with each kept output row). A custom dispatcher that does not set DispatchState.probs_M
+    # combines with the weights either way.
+    probs_in_experts: bool = True
     # each expert's rows in the experts' input start on a multiple of this (zero rows between): 16 lets FP8 grouped
     # GEMMs use the layout as it is (Megatron's --moe-router-padding-for-fp8); 1: no padding
     expert_rows_align: int = 1

@@ -147,13 +147,17 @@ class DeepEPDispatcher(AllToAllDedupDispatcher):
         rows_rK = o.rows_N.view(R, K)  # every slot has a row; masked ones are never read back
         st.extra.update(rows_rK=rows_rK, mine_rK=mine_rK)
         st.has_tail = True
-        return gather_tokens(x_rD, o.src_R, rows_rK, mine_rK, zero_row=align > 1, fused=self.fused), o.sizes_E
+        x_ND = gather_tokens(x_rD, o.src_R, rows_rK, mine_rK, zero_row=align > 1, fused=self.fused)
+        self.weight_rows(st, st.extra["probs_rK"], rows_rK, mine_rK, x_ND.shape[0], o.src_R, key="recv_src")
+        return x_ND, o.sizes_E
 
     def combine_preprocess(self, y_ND, st):
         if not st.extra.get("deepep"):
             return super().combine_preprocess(y_ND, st)
-        e = st.extra  # one partial output per received token: its local slots weighted by their probabilities
-        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"], permutation=False, fused=self.fused)
+        e = st.extra  # one partial output per received token: its local slots (weighted by their probabilities)
+        src = e.get("recv_src")
+        return combine_rows(y_ND, e["probs_rK"] if src is None else None, e["rows_rK"], e["mine_rK"],
+                            permutation=False, fused=self.fused, src_N=src)
 
     def token_combine(self, y_rD, st):
         if not st.extra.get("deepep"):

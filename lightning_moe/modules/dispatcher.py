@@ -30,7 +30,7 @@ import torch
 
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.expert_order import expert_order
-from lightning_moe.modules.permute import combine_rows, gather_tokens
+from lightning_moe.modules.permute import combine_rows, gather_tokens, row_probs
 from lightning_moe.modules.router import expert_capacity
 from lightning_moe.strategy.parallel_context import ParallelContext
 
@@ -45,6 +45,8 @@ class DispatchState:
     tokens_per_expert_E: torch.Tensor  # rows per global expert in permuted order (kept, or C each when padded)
     extra: dict[str, Any] = field(default_factory=dict)  # dispatcher-specific (split sizes, ...)
     has_tail: bool = False  # the expert input holds rows past the last expert's (dropped / other ranks' copies)
+    probs_M: Optional[torch.Tensor] = None  # each expert input row's router probability (float32), when the experts
+    #                                         weight their rows (ModelConfig.probs_in_experts)
 
 
 class TokenDispatcher:
@@ -75,13 +77,26 @@ class TokenDispatcher:
             st = DispatchState(T, o.rows_N.view(T, K), route.probs_TK, route.keep_TK, o.counts_E,
                                has_tail=route.keep_TK is not None)
             st.extra.update(sizes_E=o.sizes_E, holes=align > 1)
-            return gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=align > 1, fused=self.fused), st
+            x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=align > 1, fused=self.fused)
+            self.weight_rows(st, route.probs_TK, st.rows_TK, route.keep_TK, x_ND.shape[0], o.src_R)
+            return x_ND, st
         # pad to capacity: expert e owns rows [e*C, (e+1)*C); empty slots are zero rows, dropped copies read none
         C = -(-expert_capacity(T, E, K, self.cfg.capacity_factor) // align) * align
         o = expert_order(experts_N, E, div=K, stride=C, fused=self.fused)
         st = DispatchState(T, o.rows_N.view(T, K), route.probs_TK, route.keep_TK, torch.full_like(o.counts_E, C))
         st.extra.update(holes=True)
-        return gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=True, fused=self.fused), st
+        x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=True, fused=self.fused)
+        self.weight_rows(st, route.probs_TK, st.rows_TK, route.keep_TK, x_ND.shape[0], o.src_R)
+        return x_ND, st
+
+    def weight_rows(self, st: DispatchState, probs_TK: torch.Tensor, rows_TK: torch.Tensor,
+                    keep_TK: Optional[torch.Tensor], num_rows: int, src_N: torch.Tensor, key: str = "src") -> None:
+        """With ``probs_in_experts``: each of the ``num_rows`` rows just gathered gets its probability
+        (``st.probs_M``), and ``st.extra[key]`` keeps their tokens for the combine that sums them (``combine_rows``
+        without probabilities)."""
+        if self.cfg.probs_in_experts:
+            st.probs_M = row_probs(probs_TK, rows_TK, keep_TK, num_rows)
+            st.extra[key] = src_N
 
     def experts_read_preprocess(self) -> bool:
         """Whether dispatch_preprocess's layout is the experts' input (nothing re-sorts it): the place to pad."""
@@ -94,9 +109,11 @@ class TokenDispatcher:
         return y_MD
 
     def combine_postprocess(self, y_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:
-        """Gather each assignment's expert output and sum over top-k weighted by the router probabilities."""
-        return combine_rows(y_ND, st.probs_TK, st.rows_TK, st.keep_TK, permutation=not st.extra["holes"],
-                            fused=self.fused)
+        """Gather each assignment's expert output and sum over top-k, weighted by the router probabilities unless
+        the experts applied them."""
+        src = st.extra.get("src")
+        return combine_rows(y_ND, st.probs_TK if src is None else None, st.rows_TK, st.keep_TK,
+                            permutation=not st.extra["holes"], fused=self.fused, src_N=src)
 
     # ------------------------------------------------------------------ communication steps
     def token_dispatch(self, x_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:

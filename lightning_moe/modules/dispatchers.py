@@ -43,6 +43,8 @@ class AllToAllDispatcher(TokenDispatcher):
             send, recv_host = host[:ep], host[ep:]
             kept = sum(send)
         st.extra.update(send=send, recv_SL=recv_SL, recv_host=recv_host, kept=kept, num_rows=x_ND.shape[0])
+        if st.probs_M is not None:  # the rows' probabilities travel with them (float32, also under FP8 dispatch)
+            st.extra["probs_N"], st.probs_M = st.probs_M[:kept], None
         st.has_tail = False  # only kept rows travel
         return x_ND[:kept], st
 
@@ -57,6 +59,9 @@ class AllToAllDispatcher(TokenDispatcher):
         x_MD = all_to_all(x_ND, ep_recv, st.extra["send"], self.ctx.group("ep"))
         etp_sizes = [sum(per_src[j * ep:(j + 1) * ep]) for j in range(etp)]
         st.extra.update(ep_recv=ep_recv, etp_sizes=etp_sizes)
+        if "probs_N" in st.extra:
+            p_M1 = comm.all_to_all(st.extra.pop("probs_N").unsqueeze(1), ep_recv, st.extra["send"], self.ctx.group("ep"))
+            st.extra["probs_M"] = comm.all_gather_v(p_M1, etp_sizes, self.ctx.group("etp"))
         return comm.all_gather_v(x_MD, etp_sizes, self.ctx.group("etp"))
 
     def dispatch_postprocess(self, x_MD, st):
@@ -67,6 +72,8 @@ class AllToAllDispatcher(TokenDispatcher):
         dest_M, sizes_L, R = resort_by_expert(st.extra["recv_SL"], x_MD.shape[0], self.cfg.expert_rows_align,
                                               self.fused)
         st.extra.update(dest_M=dest_M)
+        if "probs_M" in st.extra:
+            st.probs_M = move_rows(st.extra.pop("probs_M"), dest_M, R).squeeze(1)
         return move_rows(x_MD, dest_M, R), sizes_L
 
     def experts_read_preprocess(self) -> bool:
@@ -111,12 +118,14 @@ class AllGatherDispatcher(TokenDispatcher):
         o = expert_order(key_N, L, div=K, align=align, fused=self.fused)
         st.extra.update(mine=mine_PTK, rows=o.rows_N.view(mine_PTK.shape), holes=align > 1)
         st.has_tail = True
-        return gather_tokens(x_PTD, o.src_R, st.extra["rows"], mine_PTK, zero_row=align > 1,
-                             fused=self.fused), o.sizes_E
+        x_ND = gather_tokens(x_PTD, o.src_R, st.extra["rows"], mine_PTK, zero_row=align > 1, fused=self.fused)
+        self.weight_rows(st, st.extra["probs"], st.extra["rows"], mine_PTK, x_ND.shape[0], o.src_R)
+        return x_ND, o.sizes_E
 
     def combine_preprocess(self, y_ND, st):
-        return combine_rows(y_ND, st.extra["probs"], st.extra["rows"], st.extra["mine"],
-                            permutation=not st.extra["holes"], fused=self.fused)
+        src = st.extra.get("src")
+        return combine_rows(y_ND, st.extra["probs"] if src is None else None, st.extra["rows"], st.extra["mine"],
+                            permutation=not st.extra["holes"], fused=self.fused, src_N=src)
 
     def token_combine(self, y_PTD, st):
         return comm.reduce_scatter(y_PTD, self.ctx.group("etp_ep"))
@@ -193,14 +202,18 @@ class AllToAllDedupDispatcher(TokenDispatcher):
         rows_rK = torch.where(mine_rK, o.rows_N.view(R, K), M)  # other ranks' slots point at the spare row M
         st.extra.update(rows_rK=rows_rK, mine_rK=mine_rK)
         st.has_tail = False
-        return gather_tokens(x_rD, o.src_R[:M], rows_rK, mine_rK, zero_row=align > 1, fused=self.fused), o.sizes_E
+        x_MD = gather_tokens(x_rD, o.src_R[:M], rows_rK, mine_rK, zero_row=align > 1, fused=self.fused)
+        self.weight_rows(st, st.extra["probs_rK"], rows_rK, mine_rK, M, o.src_R[:M], key="recv_src")
+        return x_MD, o.sizes_E
 
     def combine_preprocess(self, y_ND, st):
         if not st.extra.get("dedup"):
             return y_ND
         e = st.extra
         # one partial output per row; rows_rK does not cover M exactly once (spare row M), hence permutation=False
-        return combine_rows(y_ND, e["probs_rK"], e["rows_rK"], e["mine_rK"], permutation=False, fused=self.fused)
+        src = e.get("recv_src")
+        return combine_rows(y_ND, e["probs_rK"] if src is None else None, e["rows_rK"], e["mine_rK"],
+                            permutation=False, fused=self.fused, src_N=src)
 
     def token_combine(self, y_rD, st):
         if not st.extra.get("dedup"):

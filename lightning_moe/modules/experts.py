@@ -6,12 +6,13 @@ expert FFN size (F_full / ETP), L = local experts.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from typing import Optional
-
+from lightning_moe.modules import kernels
 from lightning_moe.modules.init import full_normal, shard
 from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -55,40 +56,76 @@ class GroupedMM(nn.Module):
         return grouped_mm(x_MK, w_LKN, offs_L)
 
 
+def _kernels(t: torch.Tensor, fused: bool):
+    """The Triton SwiGLU (``triton_swiglu.py``) when it runs for ``t``; None: the torch code below, the reference."""
+    return kernels.load("triton_swiglu", t, fused)
+
+
 class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` that keeps only its input for backward. Autograd's version also keeps ``silu(gate)``,
-    one more activation of the output's size (96 MiB per layer and micro-batch at the Qwen3 shape); backward
-    recomputes it, one elementwise pass. The gradients are the ops autograd would run, in the same order, so the
-    numbers are bit-identical (Megatron's fused bias-SwiGLU keeps its input only, too)."""
+    """``silu(gate) * up``, optionally times a float32 weight per row ``p_M`` (the router probability of the row's
+    token copy: Megatron's weighted SwiGLU), keeping only its inputs for backward. Autograd's composition also keeps
+    ``silu(gate)``, one more activation of the output's size (96 MiB per layer and micro-batch at the Qwen3 shape);
+    backward recomputes it, one elementwise pass (Megatron's fused bias-SwiGLU keeps its input only, too). Without
+    the kernels the gradients are the ops autograd would run, in the same order: bit-identical to autograd.
+
+    With weights, the probabilities' gradient is the row sum of the output gradient times the SwiGLU, so the combine
+    needs no expert output for it (``ModelConfig.probs_in_experts``)."""
 
     @staticmethod
-    def forward(ctx, h_M2F: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h_M2F)
+    def forward(ctx, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
+        ctx.save_for_backward(h_M2F, p_M)
+        ctx.fused = fused
+        tk = _kernels(h_M2F, fused)
+        if tk is not None:
+            return tk.forward(h_M2F, p_M)
         gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-        return F.silu(gate_MF) * up_MF
+        a_MF = F.silu(gate_MF) * up_MF
+        return a_MF if p_M is None else a_MF * p_M.unsqueeze(1).to(a_MF.dtype)
 
     @staticmethod
-    def backward(ctx, g_MF: torch.Tensor) -> torch.Tensor:
-        (h_M2F,) = ctx.saved_tensors
+    def backward(ctx, g_MF: torch.Tensor):
+        h_M2F, p_M = ctx.saved_tensors
+        tk = _kernels(h_M2F, ctx.fused)
+        if tk is not None:
+            g_h, g_p = tk.backward(g_MF, h_M2F, p_M)
+            return g_h, (g_p if ctx.needs_input_grad[1] else None), None
         gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        silu_MF = F.silu(gate_MF)
+        g_p = None
+        if p_M is not None:
+            if ctx.needs_input_grad[1]:
+                g_p = (g_MF * (silu_MF * up_MF)).sum(-1, dtype=torch.float32)
+            g_MF = g_MF * p_M.unsqueeze(1).to(g_MF.dtype)
         g_gate = torch.ops.aten.silu_backward(g_MF * up_MF, gate_MF)
-        return torch.cat([g_gate, g_MF * F.silu(gate_MF)], dim=-1)
+        return torch.cat([g_gate, g_MF * silu_MF], dim=-1), g_p, None
 
 
-def swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``[gate | up]`` (last dim), keeping only ``h_M2F`` for backward."""
-    if not torch.is_grad_enabled() or not h_M2F.requires_grad:
-        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-        return F.silu(gate_MF) * up_MF
-    return _SwiGLU.apply(h_M2F)
+def swiglu(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor] = None, fused: bool = True) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[gate | up]`` (last dim), each row times ``p_M`` when given, keeping only the inputs
+    for backward. ``fused``: the Triton kernels where they run (CUDA)."""
+    if not torch.is_grad_enabled() or not (h_M2F.requires_grad or (p_M is not None and p_M.requires_grad)):
+        with torch.no_grad():
+            return _SwiGLU.forward(_NoCtx(), h_M2F, p_M, fused)
+    return _SwiGLU.apply(h_M2F, p_M, fused)
+
+
+class _NoCtx:
+    """An autograd context that keeps nothing (forward without grad)."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
 
 
 class SwiGLUActivation(nn.Module):
-    """``silu(gate) * up`` of ``[gate | up]`` as a module (``experts.act``): what ``Recompute(["moe_act"])``
-    recomputes instead of keeping."""
+    """``silu(gate) * up`` of ``[gate | up]`` as a module (``experts.act``), each row weighted by ``p_M`` when
+    given: what ``Recompute(["moe_act"])`` recomputes instead of keeping."""
 
-    def forward(self, h_M2F: torch.Tensor) -> torch.Tensor:
-        return swiglu(h_M2F)
+    def __init__(self, fused: bool = True):
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return swiglu(h_M2F, p_M, self.fused)
 
 
 class GroupedExperts(nn.Module):
@@ -101,7 +138,8 @@ class GroupedExperts(nn.Module):
     is_expert = True  # gradients are reduced over the expert-data-parallel group
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_full: int, expert_offset: int = 0,
-                 etp_rank: int = 0, etp_size: int = 1, init_std: float = 0.02, out_std: float = 0.02):
+                 etp_rank: int = 0, etp_size: int = 1, init_std: float = 0.02, out_std: float = 0.02,
+                 fused: bool = True):
         super().__init__()
         self.num_local_experts, self.hidden, self.expert_offset = num_local_experts, hidden, expert_offset
         self.etp_rank, self.etp_size, self.init_std, self.out_std = etp_rank, etp_size, init_std, out_std
@@ -110,7 +148,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local_experts, self.ffn, hidden))
         for p in (self.w13, self.w2):
             p.is_expert = True
-        self.fc1, self.act, self.fc2 = GroupedMM(), SwiGLUActivation(), GroupedMM()
+        self.fc1, self.act, self.fc2 = GroupedMM(), SwiGLUActivation(fused), GroupedMM()
 
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:
@@ -124,17 +162,20 @@ class GroupedExperts(nn.Module):
                                          shard(up, 1, self.etp_rank, self.etp_size)], dim=1))
             self.w2[l].copy_(shard(down, 0, self.etp_rank, self.etp_size))
 
-    def forward(self, x_MD: torch.Tensor, tokens_per_expert_L: torch.Tensor, has_tail: bool = False) -> torch.Tensor:
+    def forward(self, x_MD: torch.Tensor, tokens_per_expert_L: torch.Tensor, has_tail: bool = False,
+                probs_M: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``has_tail``: rows past ``sum(tokens_per_expert)`` exist (dropped or other ranks' copies). grouped_mm
         leaves them undefined in the output AND in the input gradient, so both ends are masked; the middle needs
-        no mask because grouped_mm never reads tail rows into a group's result or weight gradient."""
+        no mask because grouped_mm never reads tail rows into a group's result or weight gradient. ``probs_M``: each
+        row's router probability, applied after the activation (the dispatcher's ``probs_in_experts``)."""
         dtype = _compute_dtype(x_MD)
         offs_L = tokens_per_expert_L.cumsum(0).to(torch.int32)
         if has_tail:
             valid_M1 = (torch.arange(x_MD.shape[0], device=x_MD.device) < offs_L[-1]).unsqueeze(1)
             x_MD = torch.where(valid_M1, x_MD, 0)
         h_M2F = self.fc1(x_MD.to(dtype), self.w13.to(dtype), offs_L)
-        y_MD = self.fc2(self.act(h_M2F), self.w2.to(dtype), offs_L)
+        a_MF = self.act(h_M2F) if probs_M is None else self.act(h_M2F, probs_M)
+        y_MD = self.fc2(a_MF, self.w2.to(dtype), offs_L)
         return torch.where(valid_M1, y_MD, 0) if has_tail else y_MD
 
     def extra_repr(self) -> str:
@@ -146,11 +187,12 @@ class SwiGLU(nn.Module):
     holds its slice of both), down row-parallel. On one rank it is the plain MLP."""
 
     def __init__(self, hidden: int, ffn: int, init_std: float = 0.02, out_std: float = 0.02,
-                 ctx: Optional[ParallelContext] = None, sequence_parallel: Optional[bool] = None):
+                 ctx: Optional[ParallelContext] = None, sequence_parallel: Optional[bool] = None, fused: bool = True):
         super().__init__()
         ctx = ctx or ParallelContext.single()
+        self.fused = fused
         self.w13 = ColumnParallelLinear(hidden, 2 * ffn, ctx, init_std, sequence_parallel, part_keys=("gate", "up"))
         self.w2 = RowParallelLinear(ffn, hidden, ctx, out_std, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w13(x)))
+        return self.w2(swiglu(self.w13(x), fused=self.fused))

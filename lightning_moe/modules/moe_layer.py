@@ -36,8 +36,10 @@ class MoELayer(nn.Module):
         d = self.dispatcher
         self.experts = GroupedExperts(d.num_local_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size,
                                       expert_offset=d.local_expert_offset, etp_rank=ctx.rank("etp"),
-                                      etp_size=ctx.etp, init_std=cfg.init_std, out_std=out_std)
-        self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn_size, cfg.init_std, out_std, ctx)
+                                      etp_size=ctx.etp, init_std=cfg.init_std, out_std=out_std,
+                                      fused=cfg.swiglu_fusion)
+        self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn_size, cfg.init_std, out_std, ctx,
+                                      fused=cfg.swiglu_fusion)
                                if cfg.shared_expert_ffn_size else None)
         self.shared_expert_overlap = cfg.shared_expert_overlap
         self.last_stats: dict[str, torch.Tensor] = {}
@@ -90,7 +92,7 @@ class MoELayer(nn.Module):
     def compute(self, s: "MoEStep") -> None:
         """Sort what arrived by local expert, run the experts, and undo the sort."""
         x_MD, tokens_per_local_expert_L = self.dispatcher.dispatch_postprocess(s.x, s.st)
-        y_MD = self.experts(x_MD, tokens_per_local_expert_L, has_tail=s.st.has_tail)
+        y_MD = self.experts(x_MD, tokens_per_local_expert_L, has_tail=s.st.has_tail, probs_M=s.st.probs_M)
         s.x = self.dispatcher.combine_preprocess(y_MD, s.st)
 
     def receive(self, s: "MoEStep") -> None:

@@ -99,13 +99,59 @@ def _gather_copies(y_ND, rows_TK, keep_TK):
     return y_TKD
 
 
-def combine_rows(y_ND: torch.Tensor, probs_TK: torch.Tensor, rows_TK: torch.Tensor,
-                 keep_TK: Optional[torch.Tensor] = None, permutation: bool = True, fused: bool = True) -> torch.Tensor:
+def combine_rows(y_ND: torch.Tensor, probs_TK: Optional[torch.Tensor], rows_TK: torch.Tensor,
+                 keep_TK: Optional[torch.Tensor] = None, permutation: bool = True, fused: bool = True,
+                 src_N: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[t] = sum_k probs[t, k] * y[rows[t, k]]`` (dropped copies contribute 0).
 
     ``permutation``: ``rows_TK`` covers every row of ``y_ND`` exactly once (false for padded capacity layouts).
+    ``probs_TK`` None: the plain sum of the copies (the experts weighted their rows already, ``row_probs``); then
+    ``src_N``, the token of each row (-1: none), as ``gather_tokens`` took it, makes the backward that gather, and
+    nothing of ``y_ND`` is kept for it. Rows whose copy the sum skips (dropped, or another rank's) still get their
+    token's gradient: the experts never let them reach an output (``GroupedExperts``' tail mask).
     """
+    if probs_TK is None:
+        return _SumCopies.apply(y_ND, rows_TK, keep_TK, src_N, fused)
     return _CombineRows.apply(y_ND, probs_TK, rows_TK, keep_TK, permutation, fused)
+
+
+class _SumCopies(torch.autograd.Function):
+    """The adjoint of ``gather_tokens``: forward is its backward, backward its forward."""
+
+    @staticmethod
+    def forward(ctx, y_ND, rows_TK, keep_TK, src_N, fused: bool):
+        ctx.save_for_backward(src_N)
+        ctx.fused = fused
+        return _GatherTokens.backward(_Ctx((rows_TK, keep_TK), y_ND.shape[0], fused), y_ND)[0]
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        (src_N,) = ctx.saved_tensors
+        tk = _tk(g_TD, ctx.fused)
+        if tk is not None:  # holes (src -1) are written as zeros
+            return tk.gather(g_TD.contiguous(), src_N), None, None, None, None
+        src_N = torch.where(src_N < 0, g_TD.shape[0], src_N)
+        return torch.cat([g_TD, g_TD.new_zeros(1, g_TD.shape[1])]).index_select(0, src_N), None, None, None, None
+
+
+class _Ctx:
+    """Stands in for an autograd context, to call a Function's backward as a plain function."""
+
+    def __init__(self, saved: tuple, n_rows: int, fused: bool):
+        self.saved_tensors, self.n_rows, self.fused = saved, n_rows, fused
+
+
+def row_probs(probs_TK: torch.Tensor, rows_TK: torch.Tensor, keep_TK: Optional[torch.Tensor],
+              num_rows: int) -> torch.Tensor:
+    """The router probability of each of ``num_rows`` expert rows (``rows_TK[t, k]`` holds copy (t, k)), float32;
+    0 for rows that hold no kept copy. Differentiable in ``probs_TK``. The experts weight their rows with it before
+    the second GEMM, as Megatron does, so that the combine needs no expert output for the probabilities' gradient
+    (one activation of the experts' output size less per layer)."""
+    rows_N = rows_TK.reshape(-1)
+    if keep_TK is not None:  # dropped copies: to the spare row, cut off below
+        rows_N = torch.where(keep_TK.reshape(-1), rows_N, num_rows)
+    out = probs_TK.new_zeros(num_rows + 1, dtype=torch.float32)
+    return out.index_copy(0, rows_N.clamp(max=num_rows), probs_TK.reshape(-1).float())[:num_rows]
 
 
 def _scatter(x_MD: torch.Tensor, dest_M: torch.Tensor, R: int) -> torch.Tensor:

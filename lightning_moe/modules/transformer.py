@@ -45,7 +45,8 @@ class Block(nn.Module):
         self.attn = build_attention(cfg, ctx, out_std)
         self.ffn_norm = _norm(cfg, ctx)
         self.ffn = MoELayer(cfg, ctx, out_std) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size,
-                                                                          cfg.init_std, out_std, ctx)
+                                                                          cfg.init_std, out_std, ctx,
+                                                                          fused=cfg.swiglu_fusion)
 
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor,
                 mask: Optional[Mask] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,9 @@ once per TP group and, under ETP, every row of its ETP group:
                 q/k before their norm (Qwen3), q, k, v after RoPE and the attention output with its log-sum-exp
                 (flash attention keeps them; under CP k and v of the whole sequence)
     MoE         the router's fp32 logits and scores (its input is the norm output, kept in bf16); per routed copy
-                the expert input (fc1), fc1's output, the SwiGLU output (fc2's input) and fc2's output (the combine
-                scales it). The SwiGLU keeps only its input (``experts.swiglu``), not silu(gate).
+                the expert input (fc1), fc1's output, the SwiGLU output (fc2's input) and the row's probability
+                (the weighted SwiGLU applies it; with ``probs_in_experts=False`` the combine scales fc2's output
+                and keeps that instead). The SwiGLU keeps only its input (``experts.swiglu``), not silu(gate).
     dense MLP   its (gathered) input, [gate | up] and the SwiGLU output
 
 ``moe_act`` recompute drops the SwiGLU output, ``layernorm`` the two norm outputs (docs/PERFORMANCE.md measured
@@ -27,7 +28,7 @@ BF16, FP32 = 2, 4
 # a module's name in Recompute/ActivationOffload -> the terms below it removes
 RECOMPUTED = {"layernorm": ("attn_norm_out", "ffn_norm_out"), "core_attn": ("attn_out",), "moe_act": ("act_out",),
               "mla_up_proj": ("q", "kv"), "shared_experts": ("shared",), "mlp": ("mlp",),
-              "moe": ("router", "expert_fc1", "fc1_out", "act_out", "fc2_out", "shared")}
+              "moe": ("router", "expert_fc1", "fc1_out", "act_out", "probs", "fc2_out", "shared")}
 OFFLOADED = {"attn_norm": ("attn_norm_in",), "core_attn": ("q", "kv", "attn_out"), "attn_proj": ("attn_out",),
              "mlp_norm": ("ffn_norm_in",), "expert_fc1": ("expert_fc1",), "moe_act": ("fc1_out",)}
 
@@ -65,7 +66,9 @@ def _ffn(cfg: ModelConfig, moe: bool, tp: int, etp: int) -> dict[str, float]:
     out["expert_fc1"] = BF16 * h * k * etp / tp  # ETP: every row of the ETP group, at f / etp
     out["fc1_out"] = BF16 * 2 * f * k / tp
     out["act_out"] = BF16 * f * k / tp
-    out["fc2_out"] = BF16 * h * k / tp
+    out["probs"] = FP32 * k / tp  # each row's probability, kept by the weighted SwiGLU
+    if not cfg.probs_in_experts:  # the combine weights the outputs and keeps them for the probabilities' gradient
+        out["fc2_out"] = BF16 * h * k / tp
     if cfg.shared_expert_ffn_size:
         out["shared"] = sp_input + 3 * BF16 * cfg.shared_expert_ffn_size / tp
     return out

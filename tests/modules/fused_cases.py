@@ -95,6 +95,7 @@ def check_resort(device: str, S: int, L: int, align: int = 1, empty: float = 0.3
 def check_dispatch(device: str, T: int, D: int, E: int, topk: int, dtype=torch.float32, seed: int = 0,
                    **kw) -> None:
     """Single-rank dispatch -> a row-wise 'expert' -> combine, permute_fusion on and off: outputs and gradients.
+    With ``probs_in_experts`` (the default) the 'expert' weights its rows by ``st.probs_M`` and the combine sums.
 
     Both paths round differently (the kernels accumulate in fp32 in another order; the probs gradient is a dot over
     D), so each is measured against a float64 run of the reference on the same rounded inputs: the fused error must
@@ -119,6 +120,8 @@ def check_dispatch(device: str, T: int, D: int, E: int, topk: int, dtype=torch.f
         x = x_TD.to(device, dt, copy=True).requires_grad_()
         x_MD, sizes_L, st = d.dispatch(x, route)
         y_MD = x_MD * scale_M[: x_MD.shape[0]].to(device, dt)
+        if st.probs_M is not None:  # probs_in_experts: the experts weight their rows
+            y_MD = y_MD * st.probs_M.unsqueeze(1).to(dt)
         y = d.combine(y_MD, st)
         y.backward(gy.to(device, dt))
         runs[name] = y.detach().double(), x.grad.double(), route.probs_TK.grad.double(), x_MD.detach(), sizes_L

@@ -71,8 +71,9 @@ def test_resort(S, L, align):
 
 @inside
 @pytest.mark.parametrize("kw", [dict(), dict(expert_rows_align=16), dict(capacity_factor=1.0),
-                                dict(capacity_factor=1.0, pad_to_capacity=True, expert_rows_align=8)],
-                         ids=["dropless", "aligned", "dropping", "padded"])
+                                dict(capacity_factor=1.0, pad_to_capacity=True, expert_rows_align=8),
+                                dict(capacity_factor=1.0, probs_in_experts=False)],
+                         ids=["dropless", "aligned", "dropping", "padded", "weighted_combine"])
 def test_dispatch(kw):
     from tests.modules.fused_cases import check_dispatch
     check_dispatch("cpu", T=48, D=24, E=6, topk=2, **kw)

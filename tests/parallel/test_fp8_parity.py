@@ -21,16 +21,17 @@ MODEL = dict(hidden_size=128, num_attention_heads=4, num_kv_heads=4, ffn_hidden_
 FIRST_STEP = {"loss": 2e-3, "grads": 2e-3}
 
 
-def _case(name, world, recipe, model=MODEL, fp8=None, **kw):
-    return Case(name, world, model=model, callbacks=(partial(FP8Training, recipe, **(fp8 or {})),), tol=FIRST_STEP,
-                **kw)
+def _case(name, world, recipe, model=MODEL, fp8=None, tol=FIRST_STEP, **kw):
+    return Case(name, world, model=model, callbacks=(partial(FP8Training, recipe, **(fp8 or {})),), tol=tol, **kw)
 
 
 CASES = runnable([
     _case("ep2_tensorwise", 2, "tensorwise", ep=2),
     _case("ep2_blockwise", 2, "blockwise", ep=2),
     _case("tp2_delayed", 2, "delayed", tp=2),
-    _case("tp2_rowwise", 2, "rowwise", tp=2),
+    # TP2 splits the MoE layer's tokens: rowwise wgrad tiles then see boundary flips in w2 (measured 1.0e-3 with the
+    # combine weighting the outputs, 2.4e-3 with the probabilities in the experts' SwiGLU; relative norm 5e-4)
+    _case("tp2_rowwise", 2, "rowwise", tp=2, tol={"loss": 2e-3, "grads": 3e-3}),
     _case("ep2_etp2_rowwise", 4, "rowwise", ep=2, etp=2),
     _case("ep2_rowwise_fp8_dispatch", 2, "rowwise", ep=2, fp8=dict(fp8_dispatch=True)),
     _case("ep2_padded_fp8_dispatch_only", 2, "rowwise", ep=2, fp8=dict(fp8_dispatch=True, exclude=["*"]),

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768))
-QWEN8 = ("qwen3-30b-a3b", dict(num_layers=8, vocab_size=32768))
-MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000))
-MIX4 = ("mixtral-8x7b", dict(num_layers=4, vocab_size=32000))
+# every run below predates ModelConfig.probs_in_experts: the combine weighted the expert outputs and kept them
+BEFORE = dict(probs_in_experts=False)
+QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **BEFORE))
+QWEN8 = ("qwen3-30b-a3b", dict(num_layers=8, vocab_size=32768, **BEFORE))
+MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000, **BEFORE))
+MIX4 = ("mixtral-8x7b", dict(num_layers=4, vocab_size=32000, **BEFORE))
 
 
 def deepseek2(experts: int) -> tuple:
     """The weak-scaling DeepSeek-V3: 1 dense + 1 MoE layer, 32 experts per GPU."""
-    return "deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=experts)
+    return "deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=experts, **BEFORE)
 
 
 class Run(NamedTuple):
