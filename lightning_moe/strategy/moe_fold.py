@@ -72,17 +72,25 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:300]
 
 
-def _check_overlap_moe_comm(on, pp: int, num_microbatches: int, ep: int, etp: int, cuda_graphs: bool) -> None:
+def _check_overlap_moe_comm(on, pp: int, num_microbatches: int, ep: int, etp: int, cuda_graphs: bool,
+                            schedule: str, overlap_p2p: bool) -> None:
     if not isinstance(on, bool):
         raise ValueError(f"MoEFoldStrategy: overlap_moe_comm must be True or False, got {on!r}")
     if not on:
         return
-    why = ("pipeline_parallel_size > 1 is not supported yet (the merged schedule runs one stage)" if pp > 1 else
-           f"it needs num_microbatches >= 2 (got {num_microbatches}): one micro-batch's exchanges overlap another's "
+    why = (f"it needs num_microbatches >= 2 (got {num_microbatches}): one micro-batch's exchanges overlap another's "
            "compute" if num_microbatches < 2 else
            "expert_parallel_size x expert_tensor_parallel_size = 1 has no token exchange to overlap"
            if ep * etp == 1 else
-           "CUDA graphs capture whole blocks, which the merged schedule runs in steps" if cuda_graphs else None)
+           "CUDA graphs capture whole blocks, which the merged schedule runs in steps" if cuda_graphs else
+           f"with pipeline parallelism it needs the interleaved schedule (virtual_pipeline_size >= 2), not "
+           f"{schedule!r}: merged 1F1B pairs would wait for each other stage by stage, as in Megatron"
+           if pp > 1 and schedule != "interleaved_1f1b" else
+           "with pipeline parallelism it needs overlap_p2p_comm=True (the merged pairs' exchange plan)"
+           if pp > 1 and not overlap_p2p else
+           f"with pipeline parallelism it needs num_microbatches >= 2 x pipeline_parallel_size = {2 * pp} (got "
+           f"{num_microbatches}): with fewer the schedule has no steady state to merge"
+           if pp > 1 and num_microbatches < 2 * pp else None)
     if why:
         raise ValueError(f"MoEFoldStrategy(overlap_moe_comm=True): {why}")
 
@@ -109,12 +117,14 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             numbers as the synchronous exchanges on gloo and over NCCL, and 1.83x the tokens/s of them for qwen3 in
             PP2 on 2 H200s (docs/PERFORMANCE.md). False: the synchronous exchanges, each completed with a device
             synchronisation before the stage computes again.
-        overlap_moe_comm: Megatron's ``--overlap-moe-expert-parallel-comm``: with ``num_microbatches`` >= 2 and no
-            pipeline, the forward of each micro-batch runs merged with the backward of the one before, so that every
-            MoE token exchange (dispatch, combine and their backwards) of one runs on a side stream while the other
-            computes (``strategy/pipeline/moe_overlap.py``). Needs an MoE layout with token exchanges (ep x etp >
-            1); the same numbers as without it. Not yet with pipeline parallelism, CUDA graphs, or callbacks that
-            wrap whole blocks (Recompute, ActivationOffload): refused.
+        overlap_moe_comm: Megatron's ``--overlap-moe-expert-parallel-comm``: with ``num_microbatches`` >= 2, the
+            forward of one micro-batch runs merged with the backward of another, so that every MoE token exchange
+            (dispatch, combine and their backwards) of one runs on a side stream while the other computes
+            (``strategy/pipeline/moe_overlap.py``). Without PP: F(0), then F(i+1) with B(i), then the last B. With
+            PP: the interleaved schedule's steady-state pairs, one warmup forward more, as Megatron's combined 1F1B
+            (needs ``virtual_pipeline_size`` >= 2, ``overlap_p2p_comm`` and ``num_microbatches`` >= 2 x pp). Needs
+            an MoE layout with token exchanges (ep x etp > 1); the same numbers as without it. Not with CUDA graphs
+            or callbacks that wrap whole blocks (Recompute, ActivationOffload): refused.
         sequence_parallel: shard activations over TP outside the TP regions (default: on when TP > 1).
         bucket_size_mb: gradient all-reduce bucket size.
         overlap_grad_sync: launch bucket all-reduces during the last backward of each step.
@@ -205,7 +215,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                            f"{pipeline_parallel_size} leaves the pipeline idle {bubble:.0%} of the time; use at "
                            "least as many micro-batches as stages (Megatron uses >= 4x)")
         _check_overlap_moe_comm(overlap_moe_comm, pipeline_parallel_size, num_microbatches, expert_parallel_size,
-                                expert_tensor_parallel_size, cuda_graphs)
+                                expert_tensor_parallel_size, cuda_graphs, pipeline_schedule, overlap_p2p_comm)
         self.overlap_moe_comm = overlap_moe_comm
         if cuda_graphs:
             why = unsupported_layout(tensor_parallel_size, context_parallel_size, expert_parallel_size,

@@ -31,6 +31,11 @@ OVERLAPPED = [
     Case("tp2_ep2_dedup_m2", 4, tp=2, ep=2, m=2, strategy=ON, adam_eps=1e-6, tol=dict(TOL, state=1e-2),
          model=dict(dispatcher="alltoall_dedup", **BIAS)),
     Case("ep2_etp2_alltoall_m2", 4, ep=2, etp=2, m=2, strategy=ON, model=dict(dispatcher="alltoall", **BIAS)),
+    # interleaved pipeline (2 stages x 2 chunks): the steady-state (F, B) pairs merged, tied embeddings over the
+    # stages, a dense first layer and shared experts
+    Case("pp2_vpp2_ep2_m4", 4, pp=2, ep=2, m=4, strategy=dict(ON, virtual_pipeline_size=2), adam_eps=1e-6,
+         model=dict(dispatcher="alltoall", num_layers=4, first_k_dense=1, shared_expert_ffn_size=32,
+                    tie_embeddings=True, **BIAS)),
     # bf16 weights, fp32 main grads with gradient-accumulation fusion, small buckets launched in the last backward
     Case("ep2_bf16_main_grads_m2", 2, ep=2, m=2, precision="bf16-true", tol=BF16_TOL, lr=1e-3,
          strategy=dict(ON, bucket_size_mb=0.01), model=dict(dispatcher="alltoall", tie_embeddings=True, **BIAS)),
@@ -50,6 +55,10 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", [c for c in CASES if c in OVERLAPPED], ids=lambda c: c.name)
 def test_overlap_matches_reference_and_plain_run(results, case):
     check_case(case, results[case.name], TOL)
+    # every rank ran merged (F, B) pairs: F(i+1) with B(i) without PP, the steady state with it
+    assert all(r["pipeline"]["merged_pairs"] == (case.m - 1 if case.pp == 1 else r["pipeline"]["merged_pairs"]) > 0
+               for r in results[case.name])
+    assert all(r["pipeline"]["merged_pairs"] == 0 for r in results[case.name + "_plain"])
     for rank, (on, off) in enumerate(zip(results[case.name], results[case.name + "_plain"])):
         assert on["losses"] == off["losses"], f"rank {rank}: losses differ with overlap_moe_comm"
         assert on["digest"] == off["digest"], (f"rank {rank}: gradients or parameters differ bitwise with "

@@ -130,7 +130,11 @@ def test_a_wrapped_block_is_refused():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(overlap_moe_comm="yes"), "must be True or False"),
     (dict(expert_parallel_size=2), "num_microbatches >= 2"),
-    (dict(expert_parallel_size=2, num_microbatches=2, pipeline_parallel_size=2), "pipeline_parallel_size > 1"),
+    (dict(expert_parallel_size=2, num_microbatches=4, pipeline_parallel_size=2), "interleaved schedule"),
+    (dict(expert_parallel_size=2, num_microbatches=2, pipeline_parallel_size=2, virtual_pipeline_size=2),
+     "num_microbatches >= 2 x pipeline_parallel_size = 4"),
+    (dict(expert_parallel_size=2, num_microbatches=4, pipeline_parallel_size=2, virtual_pipeline_size=2,
+          overlap_p2p_comm=False), "overlap_p2p_comm=True"),
     (dict(num_microbatches=2), "no token exchange"),
     (dict(expert_parallel_size=2, num_microbatches=2, cuda_graphs=True), "CUDA graphs"),
 ])

@@ -383,3 +383,39 @@ def test_the_first_versions_prefetch_is_rejected():
         ops = [build_schedule(schedule, pp, r, m, vpp) for r in range(pp)]
         with pytest.raises(RuntimeError, match="deadlock"):
             simulate_plans(ops, [one_ahead(o, r, pp, vpp) for r, o in enumerate(ops)], pp, vpp)
+
+
+# ------------------------------------------------------------------ merged (F, B) pairs (overlap_moe_comm)
+@pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 2), (2, 3), (4, 3)])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_merged_interleaved_pairs_are_deadlock_free_and_keep_the_bubble(pp, vpp, groups):
+    from lightning_moe.strategy.pipeline.schedules import exchange_plans, merged_pairs, simulate_plans
+    m = groups * pp
+    ops, plans = exchange_plans("interleaved_1f1b", pp, m, vpp, overlap=True, train=True, merged=True)
+    merged = simulate_plans(ops, plans, pp, vpp)  # raises on deadlock or mismatched messages
+    plain_ops, plain_plans = exchange_plans("interleaved_1f1b", pp, m, vpp, overlap=True, train=True)
+    plain = simulate_plans(plain_ops, plain_plans, pp, vpp)
+    assert merged["bubble_fraction"] == pytest.approx(plain["bubble_fraction"])
+    for r, rank_ops in enumerate(ops):
+        pairs = merged_pairs(rank_ops)
+        # one warmup forward more than the plain schedule (whose first backward follows its first steady forward);
+        # every later forward is merged with a backward
+        plain_warmup = [o.kind for o in plain_ops[r]].index("B") - 1
+        assert len(pairs) == sum(o.kind == "F" for o in rank_ops) - (plain_warmup + 1) > 0
+        for i in pairs:
+            assert plans[r].posts[i + 1] == [] and plans[r].waits[i + 1] == plans[r].waits[i]
+
+
+def test_merged_pairs_need_the_interleaved_steady_state():
+    from lightning_moe.strategy.pipeline.schedules import exchange_plans, simulate_plans
+    # without interleaving, each merged pair waits for the next stage's pair: the bubble more than doubles
+    ops, plans = exchange_plans("1f1b", 4, 16, None, overlap=True, train=True, merged=True)
+    plain_ops, plain_plans = exchange_plans("1f1b", 4, 16, None, overlap=True, train=True)
+    assert simulate_plans(ops, plans, 4)["bubble_fraction"] > 2 * simulate_plans(plain_ops, plain_plans,
+                                                                                 4)["bubble_fraction"]
+    # with num_microbatches == pp there is no steady state: merging the warmup's last forward deadlocks
+    ops, plans = exchange_plans("interleaved_1f1b", 2, 2, 2, overlap=True, train=True, merged=True)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_plans(ops, plans, 2, 2)
+    with pytest.raises(ValueError, match="overlapped exchanges"):
+        exchange_plans("interleaved_1f1b", 2, 4, 2, overlap=False, train=True, merged=True)

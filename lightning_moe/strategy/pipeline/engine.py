@@ -22,7 +22,8 @@ import torch
 
 from lightning_moe.strategy.pipeline.moe_overlap import Tape, run_merged
 from lightning_moe.strategy.pipeline.p2p import OverlappedComm, StageComm
-from lightning_moe.strategy.pipeline.schedules import exchange_plans, op_messages, simulate, simulate_plans
+from lightning_moe.strategy.pipeline.schedules import (exchange_plans, merged_pairs, op_messages, simulate,
+                                                       simulate_plans)
 
 
 def split_microbatches(batch: Any, m: int) -> list:
@@ -76,8 +77,10 @@ class PipelineEngine:
     def __init__(self, ctx, schedule: str, num_microbatches: int, device: torch.device, overlap_p2p: bool = True,
                  overlap_moe_comm: bool = False):
         self.ctx, self.schedule, self.m = ctx, schedule, num_microbatches
-        if overlap_moe_comm and (ctx.pp > 1 or num_microbatches < 2):
-            raise ValueError("overlap_moe_comm runs without pipeline parallelism and with num_microbatches >= 2")
+        if overlap_moe_comm and (num_microbatches < 2 or (ctx.pp > 1 and (
+                schedule != "interleaved_1f1b" or not overlap_p2p or num_microbatches < 2 * ctx.pp))):
+            raise ValueError("overlap_moe_comm needs num_microbatches >= 2 and, with pipeline parallelism, the "
+                             "interleaved schedule with overlapped p2p and num_microbatches >= 2 x pp")
         self.overlap_moe_comm = overlap_moe_comm
         # the MoE token exchanges' side stream (overlap_moe_comm on CUDA)
         self.moe_stream = torch.cuda.Stream(device=device) if overlap_moe_comm and device.type == "cuda" else None
@@ -86,11 +89,15 @@ class PipelineEngine:
         self.overlap_p2p = overlap_p2p and self.pp > 1
         # every rank's plan, simulated here: raises if it could deadlock or mismatch messages (the executor follows
         # this rank's plan only)
-        self.plans, self.plan_bubble_fraction = {}, None
+        self.plans, self.plan_bubble_fraction, self.pairs = {}, None, set()
         for train in (True, False):
-            ops, plans = exchange_plans(schedule, self.pp, self.m, self.vpp, self.overlap_p2p, train)
+            merged = train and overlap_moe_comm  # steady-state (F, B) pairs as one op (moe_overlap.run_merged)
+            ops, plans = exchange_plans(schedule, self.pp, self.m, self.vpp, self.overlap_p2p or merged, train,
+                                        merged)
             sim = simulate_plans(ops, plans, self.pp, self.vpp)
             self.plans[train] = (ops[self.rank], plans[self.rank])
+            if merged:
+                self.pairs = set(merged_pairs(ops[self.rank]))
             if train:
                 # the bubble this executor's exchanges allow with free communication (backward = 2 x forward)
                 self.plan_bubble_fraction = sim["bubble_fraction"]
@@ -112,7 +119,8 @@ class PipelineEngine:
         device once (call it when reporting, not every step)."""
         out = self._timer.result() if self._timer is not None else {}
         return {**out, "ideal_bubble_fraction": self.ideal_bubble_fraction,
-                "plan_bubble_fraction": self.plan_bubble_fraction, "overlap_p2p": self.overlap_p2p}
+                "plan_bubble_fraction": self.plan_bubble_fraction, "overlap_p2p": self.overlap_p2p,
+                "merged_pairs": len(self.pairs)}
 
     def run(self, module, batch: Any, train: bool, loss_scale: float = 1.0, grad_sync=None,
             forward_context: Callable = nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,8 +132,7 @@ class PipelineEngine:
         param = next(p for p in model.parameters() if p.is_floating_point())
         shape, dtype, device = tuple(module.pipeline_input_shape(mbs[0])), param.dtype, param.device
         scale = loss_scale / self.m
-        if train and self.overlap_moe_comm:
-            return self._run_merged(module, mbs, scale, grad_sync, forward_context, device)
+        tapes = train and self.overlap_moe_comm  # every op in steps, pairs merged (strategy/pipeline/moe_overlap.py)
         last_b = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
         if train and grad_sync is not None and grad_sync.armed:
             grad_sync.expect_final([])  # from now on only the last backward of each chunk launches its buckets
@@ -137,6 +144,41 @@ class PipelineEngine:
         saved: dict = {}
         outputs: dict = {}  # message -> tensor, produced by an op and not posted yet
         inputs: dict = {}  # message -> receive buffer
+
+        def forward(op, buf, tape=None):
+            """The forward of ``op`` (run here, or, given its tape, already run); keeps what its backward needs."""
+            nonlocal lm_sum, aux_sum
+            _, send_msg = op_messages(op, self.rank, self.pp, self.vpp)
+            x = buf.requires_grad_(train) if buf is not None else None
+            if tape is None:
+                with forward_context():
+                    out, aux = module.pipeline_forward(op.chunk, mbs[op.microbatch], x)
+            else:
+                out, aux = tape.result  # the MoE layers' auxiliary losses are roots of their own steps
+            aux_sum += aux.detach().float()
+            if model.is_last_chunk(op.chunk):
+                lm_sum += out.detach().float()
+                if train:
+                    loss = out * scale if tape is not None else (out + aux) * scale
+                    saved[(op.microbatch, op.chunk)] = (x, (loss,), (None,), tape)
+                return
+            outputs[send_msg] = out.to(dtype)
+            if train:
+                roots, grads = [out], ["recv"]
+                if tape is None and aux.requires_grad:  # a chunk with MoE layers: its aux loss joins the backward
+                    roots.append(aux * scale)
+                    grads.append(None)
+                saved[(op.microbatch, op.chunk)] = (x, roots, grads, tape)
+
+        def backward_roots(op, buf) -> tuple:
+            x, roots, grads, tape = saved.pop((op.microbatch, op.chunk))
+            return x, tape, list(roots), [buf if g == "recv" else g for g in grads]
+
+        def backward_done(op, x) -> None:
+            if not model.is_first_chunk(op.chunk):
+                outputs[op_messages(op, self.rank, self.pp, self.vpp)[1]] = x.grad
+
+        skip: set = set()  # the backward of a merged pair, run with its forward
         for i in range(len(ops) + 1):
             if self.comm is not None and plan.posts[i]:
                 sends = [(msg, outputs.pop(msg)) for what, msg in plan.posts[i] if what == "send"]
@@ -146,39 +188,44 @@ class PipelineEngine:
                 self.comm.post(i, sends, recvs)
             if i == len(ops):
                 break
+            if i in skip:
+                continue
             op = ops[i]
-            recv_msg, send_msg = op_messages(op, self.rank, self.pp, self.vpp)
             if plan.waits[i] >= 0 and self.comm is not None:
                 self.comm.wait(plan.waits[i])
-            buf = inputs.pop(recv_msg) if recv_msg else None
             if timer:
                 timer.mark()
-            key = (op.microbatch, op.chunk)
-            if op.kind == "F":
-                x = buf.requires_grad_(train) if buf is not None else None
-                with forward_context():
-                    out, aux = module.pipeline_forward(op.chunk, mbs[op.microbatch], x)
-                aux_sum += aux.detach().float()
-                if model.is_last_chunk(op.chunk):
-                    lm_sum += out.detach().float()
-                    if train:
-                        saved[key] = (x, ((out + aux) * scale,), (None,))
+            pair = [op] + ([ops[i + 1]] if tapes and i in self.pairs else [])
+            if len(pair) == 2:
+                skip.add(i + 1)
+            bufs = [inputs.pop(m) if (m := op_messages(o, self.rank, self.pp, self.vpp)[0]) else None for o in pair]
+            f_op = next((o for o in pair if o.kind == "F"), None)
+            b_op = next((o for o in pair if o.kind == "B"), None)
+            if b_op is not None and grad_sync is not None and grad_sync.armed and \
+                    i + len(pair) - 1 == last_b[b_op.chunk]:
+                grad_sync.expect_final(model.chunk_parameters(b_op.chunk))
+            if not tapes:
+                if f_op is not None:
+                    forward(f_op, bufs[0])
                 else:
-                    outputs[send_msg] = out.to(dtype)
-                    if train:
-                        roots, grads = [out], ["recv"]
-                        if aux.requires_grad:  # a chunk with MoE layers: its aux loss joins the backward
-                            roots.append(aux * scale)
-                            grads.append(None)
-                        saved[key] = (x, roots, grads)
+                    x, _, roots, grads = backward_roots(b_op, bufs[0])
+                    torch.autograd.backward(roots, grads)
+                    backward_done(b_op, x)
             else:
-                x, roots, grads = saved.pop(key)
-                if grad_sync is not None and grad_sync.armed and i == last_b[op.chunk]:
-                    grad_sync.expect_final(model.chunk_parameters(op.chunk))
-                grads = [buf if g == "recv" else g for g in grads]
-                torch.autograd.backward(list(roots), grads)
-                if not model.is_first_chunk(op.chunk):
-                    outputs[send_msg] = x.grad
+                f_tape = x_f = None
+                if f_op is not None:
+                    x_f = bufs[0].requires_grad_() if bufs[0] is not None else None
+                    f_tape = Tape(module.pipeline_forward_steps(f_op.chunk, mbs[f_op.microbatch], x_f), scale,
+                                  forward_context)
+                b_tape = x_b = None
+                if b_op is not None:
+                    x_b, b_tape, roots, grads = backward_roots(b_op, bufs[-1])
+                    b_tape.add_roots(roots, grads)
+                run_merged(f_tape, b_tape, self.moe_stream)
+                if f_op is not None:
+                    forward(f_op, x_f, f_tape)
+                if b_op is not None:
+                    backward_done(b_op, x_b)
             if timer:
                 timer.mark()
         if self.comm is not None:
@@ -188,32 +235,3 @@ class PipelineEngine:
             self._timer = timer
         lm = self.ctx.all_reduce_(lm_sum / self.m, "pp")  # only the last stage computed it
         return lm, aux_sum / self.m
-
-    def _run_merged(self, module, mbs: list, scale: float, grad_sync, forward_context: Callable,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``overlap_moe_comm`` (one pipeline stage): F(0), then the forward of each next micro-batch merged with
-        the backward of the one before (``moe_overlap.run_merged``), then B(m - 1)."""
-        model = module.pipeline_model()
-        if grad_sync is not None and grad_sync.armed:
-            grad_sync.expect_final([])
-        timer = _Timer(device)
-        timer.mark()
-        lm_sum = torch.zeros((), device=device, dtype=torch.float32)
-        aux_sum = torch.zeros((), device=device, dtype=torch.float32)
-        previous = None
-        for i in range(self.m + 1):
-            tape = Tape(module.pipeline_forward_steps(0, mbs[i], None), scale, forward_context) if i < self.m else None
-            if tape is None and grad_sync is not None and grad_sync.armed:
-                grad_sync.expect_final(model.chunk_parameters(0))  # the last backward launches the buckets
-            timer.mark()
-            run_merged(tape, previous, self.moe_stream)
-            timer.mark()
-            if tape is not None:
-                loss, aux = tape.result  # the MoE layers' auxiliary losses are roots of their own steps already
-                lm_sum += loss.detach().float()
-                aux_sum += aux.detach().float()
-                tape.add_roots([loss * scale])
-            previous = tape
-        timer.mark()
-        self._timer = timer
-        return lm_sum / self.m, aux_sum / self.m

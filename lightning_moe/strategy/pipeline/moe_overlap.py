@@ -19,6 +19,10 @@ of one with a compute step of the other (the backward goes first whenever both h
     F(i+1) combine of layer 0               (exchange) ||  B(i)   attention of the last layer, ...
     ...
 
+Under pipeline parallelism (interleaved 1F1B only, as in Megatron) the schedule gets one more warmup forward, so
+that every steady-state (F, B) pair holds two micro-batches, and each pair runs merged (``schedules.merge_plan``: both
+inputs are received before the pair, both outputs sent after it; ``simulate_plans`` checks it for deadlock).
+
 On CUDA the exchange is issued first, on a side stream, and the compute step on the current stream; the current
 stream waits for the side stream before the next pair. Every step computes what it computes without the overlap, in
 the same order per micro-batch, so the numbers do not change (tests/parallel/test_moe_overlap.py); on gloo the
@@ -63,7 +67,7 @@ def cut(value, leaves: list, memo: dict, leaves_too: bool = False):
 @dataclasses.dataclass
 class _Step:
     kind: str
-    roots: list = dataclasses.field(default_factory=list)  # loss terms returned in this step
+    roots: list = dataclasses.field(default_factory=list)  # (root, gradient or None): loss terms, the chunk output
     cuts: list = dataclasses.field(default_factory=list)  # (original, leaf) cut at the end of this step
 
 
@@ -89,7 +93,7 @@ class Tape:
                 while True:
                     kind, value = self.gen.send(self._send)
                     if kind == "loss":  # a loss term: a root of this step
-                        step.roots.append(value * self.scale)
+                        step.roots.append((value * self.scale, None))
                         self._send = None
                         continue
                     if kind == "leaf":  # cut now, backpropagated with this step (a tied weight used again later)
@@ -102,10 +106,11 @@ class Tape:
                 self.finished, self.result = True, done.value
                 self._send, self.gen = None, None
 
-    def add_roots(self, roots: list) -> None:
-        """Roots of the last step (the micro-batch's loss): the backward can start."""
+    def add_roots(self, roots: list, grads: Optional[list] = None) -> None:
+        """Roots of the last step and their gradients (None: a scalar loss): the micro-batch's loss, or the chunk's
+        output with the gradient the next pipeline stage sent. The backward can start."""
         assert self.finished, "the forward has not finished"
-        self.steps[-1].roots.extend(roots)
+        self.steps[-1].roots.extend(zip(roots, grads or [None] * len(roots)))
         self._next_backward = len(self.steps) - 1
 
     # ------------------------------------------------------------------ backward
@@ -117,10 +122,7 @@ class Tape:
         """Backward of the next step. Returns the gradients it read, which the caller keeps alive until the stream
         that ran it has been joined."""
         step = self.steps[self._next_backward]
-        roots, grads = [], []
-        for r in step.roots:
-            roots.append(r)
-            grads.append(None)
+        roots, grads = [r for r, _ in step.roots], [g for _, g in step.roots]
         for original, leaf in step.cuts:
             if leaf.grad is not None:  # a leaf no later step used gets no gradient and adds nothing
                 roots.append(original)

@@ -93,15 +93,18 @@ def backward_order(pp: int, num_microbatches: int, vpp: int | None = None) -> li
     return _order(pp, num_microbatches, vpp, forward=False)
 
 
-def build_schedule(schedule: str, pp: int, rank: int, num_microbatches: int, vpp: int | None = None) -> list[Op]:
-    """The ops of ``rank`` in execution order."""
+def build_schedule(schedule: str, pp: int, rank: int, num_microbatches: int, vpp: int | None = None,
+                   merged: bool = False) -> list[Op]:
+    """The ops of ``rank`` in execution order. ``merged`` (``overlap_moe_comm``): one more warmup forward, so that
+    every steady-state (F, B) pair holds two different micro-batches and can run as one merged op (Megatron's
+    combined 1F1B adds the same one)."""
     check_schedule(schedule, pp, num_microbatches, vpp)
     if not 0 <= rank < pp:
         raise ValueError(f"rank={rank} must be in [0, pp={pp})")
     fwd = [Op("F", mb, c) for mb, c in forward_order(pp, num_microbatches, vpp)]
     bwd = [Op("B", mb, c) for mb, c in backward_order(pp, num_microbatches, vpp)]
     total = len(fwd)
-    warmup = _warmup(schedule, pp, rank, num_microbatches, vpp)
+    warmup = min(_warmup(schedule, pp, rank, num_microbatches, vpp) + int(merged), total)
     ops = fwd[:warmup]
     for i in range(total - warmup):
         ops += [fwd[warmup + i], bwd[i]]
@@ -350,19 +353,54 @@ PREFETCH = {"afab": True, "1f1b": False, "interleaved_1f1b": True}
 
 
 def exchange_plans(schedule: str, pp: int, num_microbatches: int, vpp: int | None = None, overlap: bool = False,
-                   train: bool = True) -> tuple[list[list[Op]], list[ExchangePlan]]:
+                   train: bool = True, merged: bool = False) -> tuple[list[list[Op]], list[ExchangePlan]]:
     """Every rank's ops (``build_schedule``; the forwards in ``forward_order`` when not ``train``) and the plan its
-    executor follows (``overlap_plan`` when ``overlap``, else ``phase_plan``; forward-only: one op per phase)."""
+    executor follows (``overlap_plan`` when ``overlap``, else ``phase_plan``; forward-only: one op per phase).
+    ``merged`` (training, overlapped exchanges): the steady-state pairs run as one op (``merge_plan``)."""
     check_schedule(schedule, pp, num_microbatches, vpp)
+    if merged and not (train and overlap):
+        raise ValueError("merged (F, B) pairs need the overlapped exchanges of a training schedule")
     fwd = [Op("F", mb, c) for mb, c in forward_order(pp, num_microbatches, vpp)]
-    ops = [build_schedule(schedule, pp, r, num_microbatches, vpp) if train else list(fwd) for r in range(pp)]
+    ops = [build_schedule(schedule, pp, r, num_microbatches, vpp, merged) if train else list(fwd) for r in range(pp)]
     if overlap:
         plans = [overlap_plan(o, r, pp, vpp, PREFETCH[schedule]) for r, o in enumerate(ops)]
+        if merged:
+            plans = [merge_plan(o, plan, r, pp, vpp) for r, (o, plan) in enumerate(zip(ops, plans))]
     else:
         phases = [exchange_phases(schedule, pp, r, num_microbatches, vpp) if train else [[k] for k in range(len(o))]
                   for r, o in enumerate(ops)]
         plans = [phase_plan(o, ph, r, pp, vpp) for r, (o, ph) in enumerate(zip(ops, phases))]
     return ops, plans
+
+
+def merged_pairs(ops: list[Op]) -> list[int]:
+    """Indices ``i`` of the steady-state pairs (F at ``i``, B at ``i + 1``) of a ``merged`` schedule: each runs as one
+    op, the backward's steps paired with the forward's (``moe_overlap.run_merged``)."""
+    pairs = [i for i in range(len(ops) - 1) if ops[i].kind == "F" and ops[i + 1].kind == "B"]
+    for i in pairs:
+        if ops[i][1:] == ops[i + 1][1:]:
+            raise ValueError(f"{ops[i]!r} and {ops[i + 1]!r} cannot run merged: build the schedule with merged=True")
+    return pairs
+
+
+def merge_plan(ops: list[Op], plan: ExchangePlan, rank: int, pp: int, vpp: int | None = None) -> ExchangePlan:
+    """``plan`` for executing each ``merged_pairs`` pair as one op: the backward's input is received no later than
+    the post before the forward, which waits for both inputs; nothing is posted between the two ops (their outputs
+    leave together after the pair), so the forward's send and the receives posted between them move to after it."""
+    posts = [list(p) for p in plan.posts]
+    waits = list(plan.waits)
+    for i in merged_pairs(ops):
+        recv, _ = op_messages(ops[i + 1], rank, pp, vpp)
+        if recv is not None and ("recv", recv) in posts[i + 1]:  # the first backward's: posted before the pair
+            posts[i + 1].remove(("recv", recv))
+            posts[i].append(("recv", recv))
+        if recv is not None:
+            waits[i] = max(waits[i], i if waits[i + 1] == i + 1 else waits[i + 1])
+        waits[i + 1] = waits[i]
+        posts[i + 2] = posts[i + 1] + posts[i + 2]
+        posts[i + 1] = []
+        waits = [i + 2 if w == i + 1 else w for w in waits]
+    return ExchangePlan(posts, waits)
 
 
 def plan_problems(ops_by_rank: list[list[Op]], plans: list[ExchangePlan], pp: int, vpp: int | None = None) -> list[str]:
