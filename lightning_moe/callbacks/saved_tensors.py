@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
@@ -138,6 +139,25 @@ class SavedTensorPolicy:
             return wrapped
 
         self._wrapped.append((block, wrap_forward(block, make)))
+        self._wrapped[-1][1].step_context = self.step_context  # for a block run in steps (Block.steps)
+
+    @contextmanager
+    def step_context(self):
+        """The hooks around one step of a block that runs in steps (``overlap_moe_comm``, ``Block.steps``): the
+        other micro-batch's steps run between them. Each fine-grained module's output is saved in the step that
+        makes it, so nothing carries over from one step to the next."""
+        if self.offloader is not None:
+            raise ValueError("ActivationOffload cannot run with MoEFoldStrategy(overlap_moe_comm=True): its host "
+                             "copies follow one micro-batch's blocks in order, which the merged schedule interleaves "
+                             "with another's; use Recompute's fine-grained modules, or no overlap")
+        self._outputs.clear()
+        self._open.clear()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            try:
+                yield
+            finally:
+                self._outputs.clear()
+                self._open.clear()
 
     def mark_recompute(self, module: nn.Module, name: str) -> None:
         def before(mod, args):

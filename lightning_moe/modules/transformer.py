@@ -7,6 +7,7 @@ and MLPs, and context parallelism, which keeps this rank's zig-zag chunks of eve
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -66,22 +67,40 @@ class Block(nn.Module):
         Returns what ``forward`` returns. A dense block is one local step."""
         if not self.is_moe:
             return self(x_BSD, positions_S) if mask is None else self(x_BSD, positions_S, mask)
-        if "forward" in self.__dict__ or "forward" in self.ffn.__dict__:
-            raise ValueError("MoEFoldStrategy(overlap_moe_comm=True) runs each MoE block in steps and cannot keep a "
-                             "callback's wrapper around the whole block or MoE layer (Recompute, ActivationOffload): "
-                             "use one or the other")
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_S, mask)
-        moe = self.ffn
-        s = moe.begin(self.ffn_norm(x_BSD))
+        step = self._step_context()
+        with step():
+            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_S, mask)
+            moe = self.ffn
+            s = moe.begin(self.ffn_norm(x_BSD))
         x_BSD, s = yield "comm", (x_BSD, s)
-        moe.send(s)
+        with step():
+            moe.send(s)
         x_BSD, s = yield "comp", (x_BSD, s)
-        moe.compute(s)
+        with step():
+            moe.compute(s)
         x_BSD, s = yield "comm", (x_BSD, s)
-        moe.receive(s)
+        with step():
+            moe.receive(s)
         x_BSD, s = yield "comp", (x_BSD, s)
-        y_BSD, aux = moe.finish(s)
+        with step():
+            y_BSD, aux = moe.finish(s)
         return x_BSD + y_BSD, aux
+
+    def _step_context(self):
+        """What each step of ``steps`` runs in: the saved-tensor hooks of ``Recompute``'s fine-grained modules when
+        they wrap this block (``step_context``). A wrapper that needs the whole block or MoE layer in one call
+        (``Recompute(["full"])`` / ``["moe"]`` checkpoints, ``ActivationOffload``) cannot run in steps."""
+        f, contexts = self.forward, []
+        while hasattr(f, "inner"):
+            if not hasattr(f, "step_context"):
+                break
+            contexts.append(f.step_context)
+            f = f.inner
+        if hasattr(f, "inner") or "forward" in self.ffn.__dict__:
+            raise ValueError("MoEFoldStrategy(overlap_moe_comm=True) runs each MoE block in steps and cannot "
+                             "recompute a whole block or MoE layer (Recompute 'full' or 'moe'); use the "
+                             "fine-grained modules (moe_act, layernorm, core_attn, mla_up_proj, shared_experts)")
+        return contexts[0] if contexts else nullcontext
 
 
 class Layers(nn.ModuleDict):

@@ -123,8 +123,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             (``strategy/pipeline/moe_overlap.py``). Without PP: F(0), then F(i+1) with B(i), then the last B. With
             PP: the interleaved schedule's steady-state pairs, one warmup forward more, as Megatron's combined 1F1B
             (needs ``virtual_pipeline_size`` >= 2, ``overlap_p2p_comm`` and ``num_microbatches`` >= 2 x pp). Needs
-            an MoE layout with token exchanges (ep x etp > 1); the same numbers as without it. Not with CUDA graphs
-            or callbacks that wrap whole blocks (Recompute, ActivationOffload): refused.
+            an MoE layout with token exchanges (ep x etp > 1); the same numbers as without it. Composes with
+            ``Recompute``'s fine-grained modules; CUDA graphs, ``Recompute(["full"])`` / ``["moe"]`` and
+            ``ActivationOffload`` are refused.
         sequence_parallel: shard activations over TP outside the TP regions (default: on when TP > 1).
         bucket_size_mb: gradient all-reduce bucket size.
         overlap_grad_sync: launch bucket all-reduces during the last backward of each step.

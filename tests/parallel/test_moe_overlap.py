@@ -8,9 +8,11 @@ same layout without the overlap (``digest``: SHA-256 of the losses, gradients an
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 
+from lightning_moe import Recompute
 from tests.parallel.parity import BF16_TOL, TOL, Case, check_case, run_cases, runnable
 
 # expert bias; the aux loss per rank and micro-batch (a global one couples the DP ranks' micro-batches, which the
@@ -25,6 +27,9 @@ OVERLAPPED = [
          model=dict(dispatcher="alltoall", num_layers=3, first_k_dense=1, shared_expert_ffn_size=32,
                     tie_embeddings=True, **BIAS)),
     Case("ep2_allgather_capacity_m2", 2, ep=2, m=2, strategy=ON, model=dict(dispatcher="allgather", **CAP)),
+    # Recompute's fine-grained modules inside the steps (their saved-tensor hooks around each step)
+    Case("ep2_recompute_m2", 2, ep=2, m=2, strategy=ON, model=dict(dispatcher="alltoall", **BIAS),
+         callbacks=(partial(Recompute, ["moe_act", "layernorm", "core_attn"]),)),
     # folded: TP2 (sequence parallel) attention and EP2, with the dedup dispatcher's probabilities in flight
     # its parameters after 3 AdamW steps differ from the reference by up to 3e-3 (router weight: AdamW turns float32
     # rounding of near-zero gradients into whole steps; the first step's gradients agree to 1e-7)

@@ -123,8 +123,17 @@ def test_a_wrapped_block_is_refused():
     model, mbs = _model(first_k_dense=0), _micro_batches(1)
     block = model.model.layers[0]
     wrap_forward(block, lambda inner: (lambda *a, **k: inner(*a, **k)))
-    with pytest.raises(ValueError, match="Recompute, ActivationOffload"):
+    with pytest.raises(ValueError, match="cannot recompute a whole block or MoE layer"):
         run_merged(Tape(model.pipeline_forward_steps(0, mbs[0], None), 1.0), None, None)
+
+
+def test_activation_offload_is_refused_in_steps():
+    from lightning_moe.callbacks.saved_tensors import SavedTensorPolicy
+    policy = SavedTensorPolicy()
+    policy.offloader = object()  # what ActivationOffload sets
+    with pytest.raises(ValueError, match="ActivationOffload cannot run with"):
+        with policy.step_context():
+            pass
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -142,3 +151,20 @@ def test_bad_layouts_are_refused(kwargs, match):
     kwargs.setdefault("overlap_moe_comm", True)
     with pytest.raises(ValueError, match=match):
         MoEFoldStrategy(**kwargs)
+
+
+def test_fine_grained_recompute_runs_inside_the_steps():
+    """Recompute's saved-tensor hooks wrap each step of a block: its modules are rebuilt in the merged schedule's
+    backward (bytes counted), and the gradients stay those of one plain backward without recomputation."""
+    import types
+
+    from lightning_moe import Recompute
+    model, mbs = _model(), _micro_batches(2)
+    ref = _plain(model, mbs, 0.5)
+    Recompute(["moe_act", "layernorm", "core_attn"]).on_fit_start(
+        types.SimpleNamespace(strategy=types.SimpleNamespace(cuda_graphs=False)), model)
+    policy = model._lmoe_saved_tensors
+    policy.stats.clear()
+    got, _ = _merged(model, mbs, 0.5)
+    assert set(policy.stats) == {"moe_act", "layernorm", "core_attn"} and min(policy.stats.values()) > 0
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
