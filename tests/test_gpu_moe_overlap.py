@@ -116,3 +116,23 @@ def test_merged_schedule_on_a_side_stream_is_bit_identical():
         assert torch.equal(loss0, loss1)
         bad = [n for n in ref if not torch.equal(ref[n], got[n])]
         assert not bad, f"gradients differ with the exchanges on a side stream: {bad}"
+
+
+def test_merged_schedule_with_fine_grained_recompute_on_a_side_stream():
+    """Recompute's modules rebuilt inside the merged schedule's steps, the exchanges on a side stream: the gradients
+    of the plain schedule without recomputation, bit for bit."""
+    import types
+
+    from lightning_moe import Recompute
+    model = _lm()
+    toks = torch.randint(0, 256, (8, 257), generator=torch.Generator().manual_seed(1)).cuda()
+    mbs = [{"input_ids": toks[4 * i:4 * i + 4, :-1], "labels": toks[4 * i:4 * i + 4, 1:]} for i in range(2)]
+    loss0, ref = _grads_of(model, mbs, merged=False)
+    Recompute(["moe_act", "layernorm", "core_attn"]).on_fit_start(
+        types.SimpleNamespace(strategy=types.SimpleNamespace(cuda_graphs=False)), model)
+    model._lmoe_saved_tensors.stats.clear()
+    loss1, got = _grads_of(model, mbs, merged=True, stream=torch.cuda.Stream())
+    assert min(model._lmoe_saved_tensors.stats.values()) > 0
+    assert torch.equal(loss0, loss1)
+    bad = [n for n in ref if not torch.equal(ref[n], got[n])]
+    assert not bad, bad
