@@ -125,7 +125,8 @@ def instrumented_step(layer: MoELayer, x_BSD: torch.Tensor, g_BSD: torch.Tensor,
         x_MD, tpl_L, st = layer.dispatcher.dispatch(_Stamp.apply(x_TD, s, "b_dispatch", device), route)
         x_MD = _Stamp.apply(x_MD, s, "b_experts", device)
         s["f_dispatch"] = stamp(device)
-        y_MD = layer.experts(x_MD, tpl_L, has_tail=st.has_tail)
+        y_MD = layer.experts(x_MD, tpl_L, has_tail=st.has_tail, probs_M=st.probs_M)  # as MoELayer.compute
+        st.probs_applied = st.probs_M is not None
         y_MD = _Stamp.apply(y_MD, s, "b_combine", device)
         s["f_experts"] = stamp(device)
         y_TD = layer.dispatcher.combine(y_MD, st).to(x_BSD.dtype)

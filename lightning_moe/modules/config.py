@@ -90,8 +90,8 @@ class ModelConfig:
     # the router probabilities weight each expert row after the activation, before the second GEMM (Megatron's
     # weighted SwiGLU), so the combine only sums: it keeps no expert output for the probabilities' gradient (one
     # activation of T*K*D per layer less). False: the combine weights the outputs (the probabilities' gradient is
-    # then a dot product with each kept output row). A custom dispatcher that does not set DispatchState.probs_M
-    # combines with the weights either way.
+    # then a dot product with each kept output row). The combine sums only what the experts weighted
+    # (DispatchState.probs_applied): a custom dispatcher that does not carry probs_M combines with the weights.
     probs_in_experts: bool = True
     # each expert's rows in the experts' input start on a multiple of this (zero rows between): 16 lets FP8 grouped
     # GEMMs use the layout as it is (Megatron's --moe-router-padding-for-fp8); 1: no padding

@@ -155,7 +155,7 @@ class DeepEPDispatcher(AllToAllDedupDispatcher):
         if not st.extra.get("deepep"):
             return super().combine_preprocess(y_ND, st)
         e = st.extra  # one partial output per received token: its local slots (weighted by their probabilities)
-        src = e.get("recv_src")
+        src = e.get("recv_src") if st.probs_applied else None
         return combine_rows(y_ND, e["probs_rK"] if src is None else None, e["rows_rK"], e["mine_rK"],
                             permutation=False, fused=self.fused, src_N=src)
 

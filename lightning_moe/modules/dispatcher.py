@@ -45,8 +45,9 @@ class DispatchState:
     tokens_per_expert_E: torch.Tensor  # rows per global expert in permuted order (kept, or C each when padded)
     extra: dict[str, Any] = field(default_factory=dict)  # dispatcher-specific (split sizes, ...)
     has_tail: bool = False  # the expert input holds rows past the last expert's (dropped / other ranks' copies)
-    probs_M: Optional[torch.Tensor] = None  # each expert input row's router probability (float32), when the experts
+    probs_M: Optional[torch.Tensor] = None  # each expert input row's router probability (float32), for experts that
     #                                         weight their rows (ModelConfig.probs_in_experts)
+    probs_applied: bool = False  # the experts did weight them (MoELayer.compute): the combine then only sums
 
 
 class TokenDispatcher:
@@ -92,8 +93,9 @@ class TokenDispatcher:
     def weight_rows(self, st: DispatchState, probs_TK: torch.Tensor, rows_TK: torch.Tensor,
                     keep_TK: Optional[torch.Tensor], num_rows: int, src_N: torch.Tensor, key: str = "src") -> None:
         """With ``probs_in_experts``: each of the ``num_rows`` rows just gathered gets its probability
-        (``st.probs_M``), and ``st.extra[key]`` keeps their tokens for the combine that sums them (``combine_rows``
-        without probabilities)."""
+        (``st.probs_M``), and ``st.extra[key]`` keeps their tokens for a combine that sums them (``combine_rows``
+        without probabilities) once the experts set ``st.probs_applied``; experts that do not (``dispatch()`` followed
+        by experts without ``probs_M``) leave the weighting to the combine."""
         if self.cfg.probs_in_experts:
             st.probs_M = row_probs(probs_TK, rows_TK, keep_TK, num_rows)
             st.extra[key] = src_N
@@ -111,7 +113,7 @@ class TokenDispatcher:
     def combine_postprocess(self, y_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:
         """Gather each assignment's expert output and sum over top-k, weighted by the router probabilities unless
         the experts applied them."""
-        src = st.extra.get("src")
+        src = st.extra.get("src") if st.probs_applied else None
         return combine_rows(y_ND, st.probs_TK if src is None else None, st.rows_TK, st.keep_TK,
                             permutation=not st.extra["holes"], fused=self.fused, src_N=src)
 

@@ -123,7 +123,7 @@ class AllGatherDispatcher(TokenDispatcher):
         return x_ND, o.sizes_E
 
     def combine_preprocess(self, y_ND, st):
-        src = st.extra.get("src")
+        src = st.extra.get("src") if st.probs_applied else None
         return combine_rows(y_ND, st.extra["probs"] if src is None else None, st.extra["rows"], st.extra["mine"],
                             permutation=not st.extra["holes"], fused=self.fused, src_N=src)
 
@@ -211,7 +211,7 @@ class AllToAllDedupDispatcher(TokenDispatcher):
             return y_ND
         e = st.extra
         # one partial output per row; rows_rK does not cover M exactly once (spare row M), hence permutation=False
-        src = e.get("recv_src")
+        src = e.get("recv_src") if st.probs_applied else None
         return combine_rows(y_ND, e["probs_rK"] if src is None else None, e["rows_rK"], e["mine_rK"],
                             permutation=False, fused=self.fused, src_N=src)
 

@@ -73,6 +73,8 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], fused: bool) -> torch.Tensor:
+        if p_M is not None and p_M.shape != h_M2F.shape[:-1]:
+            raise ValueError(f"swiglu: {tuple(p_M.shape)} weights for {tuple(h_M2F.shape[:-1])} rows")
         ctx.save_for_backward(h_M2F, p_M)
         ctx.fused = fused
         tk = _kernels(h_M2F, fused)
@@ -94,7 +96,7 @@ class _SwiGLU(torch.autograd.Function):
         g_p = None
         if p_M is not None:
             if ctx.needs_input_grad[1]:
-                g_p = (g_MF * (silu_MF * up_MF)).sum(-1, dtype=torch.float32)
+                g_p = (g_MF * (silu_MF * up_MF)).sum(-1, dtype=torch.promote_types(p_M.dtype, torch.float32))
             g_MF = g_MF * p_M.unsqueeze(1).to(g_MF.dtype)
         g_gate = torch.ops.aten.silu_backward(g_MF * up_MF, gate_MF)
         return torch.cat([g_gate, g_MF * silu_MF], dim=-1), g_p, None

@@ -93,6 +93,7 @@ class MoELayer(nn.Module):
         """Sort what arrived by local expert, run the experts, and undo the sort."""
         x_MD, tokens_per_local_expert_L = self.dispatcher.dispatch_postprocess(s.x, s.st)
         y_MD = self.experts(x_MD, tokens_per_local_expert_L, has_tail=s.st.has_tail, probs_M=s.st.probs_M)
+        s.st.probs_applied = s.st.probs_M is not None  # the combine sums the weighted rows
         s.x = self.dispatcher.combine_preprocess(y_MD, s.st)
 
     def receive(self, s: "MoEStep") -> None:

@@ -143,15 +143,17 @@ class _Ctx:
 
 def row_probs(probs_TK: torch.Tensor, rows_TK: torch.Tensor, keep_TK: Optional[torch.Tensor],
               num_rows: int) -> torch.Tensor:
-    """The router probability of each of ``num_rows`` expert rows (``rows_TK[t, k]`` holds copy (t, k)), float32;
+    """The router probability of each of ``num_rows`` expert rows (``rows_TK[t, k]`` holds copy (t, k)), float32 (or
+    wider);
     0 for rows that hold no kept copy. Differentiable in ``probs_TK``. The experts weight their rows with it before
     the second GEMM, as Megatron does, so that the combine needs no expert output for the probabilities' gradient
     (one activation of the experts' output size less per layer)."""
     rows_N = rows_TK.reshape(-1)
     if keep_TK is not None:  # dropped copies: to the spare row, cut off below
         rows_N = torch.where(keep_TK.reshape(-1), rows_N, num_rows)
-    out = probs_TK.new_zeros(num_rows + 1, dtype=torch.float32)
-    return out.index_copy(0, rows_N.clamp(max=num_rows), probs_TK.reshape(-1).float())[:num_rows]
+    dtype = torch.promote_types(probs_TK.dtype, torch.float32)  # the router's float32 (float64 in float64 tests)
+    out = probs_TK.new_zeros(num_rows + 1, dtype=dtype)
+    return out.index_copy(0, rows_N.clamp(max=num_rows), probs_TK.reshape(-1).to(dtype))[:num_rows]
 
 
 def _scatter(x_MD: torch.Tensor, dest_M: torch.Tensor, R: int) -> torch.Tensor:

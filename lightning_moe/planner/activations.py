@@ -66,7 +66,7 @@ def _ffn(cfg: ModelConfig, moe: bool, tp: int, etp: int) -> dict[str, float]:
     out["expert_fc1"] = BF16 * h * k * etp / tp  # ETP: every row of the ETP group, at f / etp
     out["fc1_out"] = BF16 * 2 * f * k / tp
     out["act_out"] = BF16 * f * k / tp
-    out["probs"] = FP32 * k / tp  # each row's probability, kept by the weighted SwiGLU
+    out["probs"] = FP32 * k * etp / tp  # each row's probability, kept by the weighted SwiGLU (ETP: every row)
     if not cfg.probs_in_experts:  # the combine weights the outputs and keeps them for the probabilities' gradient
         out["fc2_out"] = BF16 * h * k / tp
     if cfg.shared_expert_ffn_size:

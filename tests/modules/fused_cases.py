@@ -120,8 +120,9 @@ def check_dispatch(device: str, T: int, D: int, E: int, topk: int, dtype=torch.f
         x = x_TD.to(device, dt, copy=True).requires_grad_()
         x_MD, sizes_L, st = d.dispatch(x, route)
         y_MD = x_MD * scale_M[: x_MD.shape[0]].to(device, dt)
-        if st.probs_M is not None:  # probs_in_experts: the experts weight their rows
+        if st.probs_M is not None:  # probs_in_experts: the experts weight their rows, the combine sums
             y_MD = y_MD * st.probs_M.unsqueeze(1).to(dt)
+            st.probs_applied = True
         y = d.combine(y_MD, st)
         y.backward(gy.to(device, dt))
         runs[name] = y.detach().double(), x.grad.double(), route.probs_TK.grad.double(), x_MD.detach(), sizes_L

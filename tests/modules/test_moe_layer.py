@@ -184,14 +184,22 @@ def test_gradcheck_expert_path_float64_fixed_routing():
             assert route.num_dropped.item() > 0
         probs = route.probs_TK.detach().double().requires_grad_()
 
-        def fn(x_TD, probs_TK):
-            route.probs_TK = probs_TK
-            x_MD, tpe_L, st = layer.dispatcher.dispatch(x_TD, route)
-            return layer.dispatcher.combine(layer.experts(x_MD, tpe_L, has_tail=st.has_tail), st)
+        for in_experts in (False, True):  # the combine weights the outputs, or the experts weight their rows
+            def fn(x_TD, probs_TK):
+                route.probs_TK = probs_TK
+                x_MD, tpe_L, st = layer.dispatcher.dispatch(x_TD, route)
+                if not in_experts:
+                    return layer.dispatcher.combine(layer.experts(x_MD, tpe_L, has_tail=st.has_tail), st)
+                assert st.probs_M is not None
+                y_MD = layer.experts(x_MD, tpe_L, has_tail=st.has_tail, probs_M=st.probs_M)
+                st.probs_applied = True
+                return layer.dispatcher.combine(y_MD, st)
 
-        out = fn(x, probs)
-        assert out.dtype == torch.float64
-        assert torch.autograd.gradcheck(fn, (x.clone().requires_grad_(), probs), eps=1e-6, atol=1e-8, rtol=1e-6)
+            out = fn(x, probs)
+            assert out.dtype == torch.float64
+            assert torch.autograd.gradcheck(fn, (x.clone().requires_grad_(), probs), eps=1e-6, atol=1e-8, rtol=1e-6)
+            g, = torch.autograd.grad(fn(x, probs).sum(), probs)
+            assert g.abs().sum() > 0  # the gates are used on both paths
 
 
 def test_gradcheck_whole_layer_double():

@@ -69,6 +69,7 @@ class _Step:
     kind: str
     roots: list = dataclasses.field(default_factory=list)  # (root, gradient or None): loss terms, the chunk output
     cuts: list = dataclasses.field(default_factory=list)  # (original, leaf) cut at the end of this step
+    leaves: list = dataclasses.field(default_factory=list)  # (original, leaf) cut inside it ("leaf": a tied weight)
 
 
 class Tape:
@@ -97,7 +98,7 @@ class Tape:
                         self._send = None
                         continue
                     if kind == "leaf":  # cut now, backpropagated with this step (a tied weight used again later)
-                        self._send = cut(value, step.cuts, {}, leaves_too=True)
+                        self._send = cut(value, step.leaves, {}, leaves_too=True)
                         continue
                     self._send = cut(value, step.cuts, {})
                     self.steps.append(_Step(kind))
@@ -123,12 +124,17 @@ class Tape:
         that ran it has been joined."""
         step = self.steps[self._next_backward]
         roots, grads = [r for r, _ in step.roots], [g for _, g in step.roots]
-        for original, leaf in step.cuts:
+        later = [(o, leaf) for o, leaf in step.leaves if leaf.grad is None]  # used in this step only, if at all
+        for original, leaf in step.cuts + [c for c in step.leaves if c[1].grad is not None]:
             if leaf.grad is not None:  # a leaf no later step used gets no gradient and adds nothing
                 roots.append(original)
                 grads.append(leaf.grad)
         if roots:
             torch.autograd.backward(roots, grads)
+        for original, leaf in later:  # e.g. a tied head in the same step as the embedding (no MoE layer between)
+            if leaf.grad is not None:
+                torch.autograd.backward([original], [leaf.grad])
+                grads.append(leaf.grad)
         self.steps[self._next_backward] = None  # frees this step's leaves, their gradients and its graph
         self._next_backward -= 1
         return grads
