@@ -403,6 +403,15 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                                   lost_after_for(self._timeout.total_seconds()), store_host_rank=host)
         self._liveness.start()
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.overlap_moe_comm:  # after the callbacks' on_fit_start: refuse their whole-block wrappers now
+            pipeline_model = getattr(self.lightning_module, "pipeline_model", None)
+            for block in getattr(pipeline_model() if pipeline_model else None, "layers", []):
+                if getattr(block, "is_moe", False):
+                    with block._step_context()():  # raises for Recompute full/moe and ActivationOffload
+                        pass
+
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self._router_modules, self._router_flags, self._router_pending = None, None, []

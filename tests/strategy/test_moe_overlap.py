@@ -178,3 +178,20 @@ def test_fine_grained_recompute_runs_inside_the_steps():
     got, _ = _merged(model, mbs, 0.5)
     assert set(policy.stats) == {"moe_act", "layernorm", "core_attn"} and min(policy.stats.values()) > 0
     assert all(torch.equal(ref[n], got[n]) for n in ref)
+
+
+@pytest.mark.parametrize("modules,refused", [(["full"], True), (["moe"], True), (["moe_act", "layernorm"], False)])
+def test_whole_block_recompute_is_refused_when_training_starts(modules, refused):
+    """MoEFoldStrategy.on_train_start (after the callbacks' on_fit_start) walks the MoE blocks' wrappers."""
+    import types
+
+    from lightning_moe import Recompute
+    model = _model()
+    Recompute(modules).on_fit_start(types.SimpleNamespace(strategy=types.SimpleNamespace(cuda_graphs=False)), model)
+    strategy = MoEFoldStrategy(expert_parallel_size=2, num_microbatches=2, overlap_moe_comm=True)
+    strategy._lightning_module = model
+    if refused:
+        with pytest.raises(ValueError, match="cannot recompute a whole block or MoE layer"):
+            strategy.on_train_start()
+    else:
+        strategy.on_train_start()
