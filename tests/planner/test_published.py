@@ -5,10 +5,11 @@ runtime_configs/benchmarking/runtime.conf), planned for the published GPU count.
 Mixtral-8x22B's layout is in the planner's top 10 (5th before the experts weighted their rows with the router
 probabilities; since, the memory the combine no longer keeps lets PP16 layouts skip recomputation and it is 6th,
 0.4 % behind the 5th). DeepSeek-V3's and Qwen3-235B's are not, and cannot be for this
-library: their EP64 / EP32 groups span 8 / 4 nodes, and lightning-moe's dropless all-to-all is synchronous (a host
-sync per layer, every routed copy sent in bf16, nothing overlapped). Megatron runs those layouts with DeepEP's
-node-deduplicated dispatch overlapped with the other micro-batch's compute, which this library does not have. The
-tests pin that explanation: the published layouts fit, the all-to-all is their dominant cost, and the planner's top 5
+library's planner: their EP64 / EP32 groups span 8 / 4 nodes, and lightning-moe's dropless all-to-all copies its
+split sizes to the host every layer and sends every routed copy in bf16. Megatron runs those layouts with DeepEP's
+node-deduplicated dispatch overlapped with the other micro-batch's compute; lightning-moe has the overlap now
+(``overlap_moe_comm``), but it is not measured across nodes, so the planner does not count on it. The tests pin that
+explanation: the published layouts fit, the all-to-all is their dominant cost, and the planner's top 5
 keep EP x ETP inside one node (docs/PERFORMANCE.md, "Planner calibration")."""
 
 from __future__ import annotations
