@@ -143,9 +143,8 @@ class _Ctx:
 
 def row_probs(probs_TK: torch.Tensor, rows_TK: torch.Tensor, keep_TK: Optional[torch.Tensor],
               num_rows: int) -> torch.Tensor:
-    """The router probability of each of ``num_rows`` expert rows (``rows_TK[t, k]`` holds copy (t, k)), float32 (or
-    wider);
-    0 for rows that hold no kept copy. Differentiable in ``probs_TK``. The experts weight their rows with it before
+    """The router probability of each of ``num_rows`` expert rows (``rows_TK[t, k]`` holds copy (t, k)), float32 or
+    wider; 0 for rows that hold no kept copy. Differentiable in ``probs_TK``. The experts weight their rows with it before
     the second GEMM, as Megatron does, so that the combine needs no expert output for the probabilities' gradient
     (one activation of the experts' output size less per layer)."""
     rows_N = rows_TK.reshape(-1)

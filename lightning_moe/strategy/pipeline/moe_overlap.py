@@ -125,7 +125,7 @@ class Tape:
         step = self.steps[self._next_backward]
         roots, grads = [r for r, _ in step.roots], [g for _, g in step.roots]
         later = [(o, leaf) for o, leaf in step.leaves if leaf.grad is None]  # used in this step only, if at all
-        for original, leaf in step.cuts + [c for c in step.leaves if c[1].grad is not None]:
+        for original, leaf in step.cuts + step.leaves:
             if leaf.grad is not None:  # a leaf no later step used gets no gradient and adds nothing
                 roots.append(original)
                 grads.append(leaf.grad)
