@@ -181,11 +181,13 @@ def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
 
 
 def fp8_specs(precision: str) -> tuple:
-    """``fp8-<recipe>[-hybrid]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3 gradients
-    unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel."""
+    """``fp8-<recipe>[-hybrid][-fastall]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3
+    gradients unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel; fast accumulation in the
+    forward GEMMs only (``FP8Training``'s default) unless ``-fastall`` (dgrad and wgrad too)."""
     parts = precision.split("-")
-    recipe, fmt = parts[1], "hybrid" if parts[-1] == "hybrid" else "e4m3"
-    return FP8Spec(recipe, fp8_format=fmt), FP8Spec(recipe, fp8_format=fmt)
+    recipe, fmt = parts[1], "hybrid" if "hybrid" in parts else "e4m3"
+    fast = "all" if "fastall" in parts else "fprop"
+    return (FP8Spec(recipe, fp8_format=fmt, fast_accum=fast), FP8Spec(recipe, fp8_format=fmt, fast_accum=fast))
 
 
 def loop_block(x_MD, w13_EDF2, w2_EFD, bounds: list[int]):
@@ -389,7 +391,8 @@ def main(argv=None) -> dict:
     p.add_argument("--unfused", action="store_true",
                    help="router_fusion=False, permute_fusion=False: the torch reference router and permutes")
     p.add_argument("--precision", default="bf16",
-                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid] (recipes: " + ", ".join(RECIPES) + ")")
+                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid][-fastall] (recipes: " + ", ".join(RECIPES)
+                   + "; -fastall: fast accumulation in dgrad and wgrad too)")
     p.add_argument("--with-loop", action="store_true", help="also time a per-expert Python loop (qwen3 only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU, 2 iterations")
     p.add_argument("--seed", type=int, default=0)
@@ -401,6 +404,7 @@ def main(argv=None) -> dict:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     precisions = [s.strip() for s in args.precision.split(",") if s.strip()]
     valid = {f"fp8-{r}" for r in RECIPES} | {"fp8-tensorwise-hybrid", "fp8-delayed-hybrid"}
+    valid |= {f"{v}-fastall" for v in valid}
     bad = [s for s in precisions if s != "bf16" and s not in valid]
     if bad:
         p.error(f"unknown --precision {bad}; choose from bf16, {', '.join(sorted(valid))}")

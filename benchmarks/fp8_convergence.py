@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from common import emit, env_info, log, pick_device, stdout_to_stderr
 
-RUNS = ["bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "nvfp4"]
+RUNS = ["bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "fp8-rowwise-fastall", "nvfp4"]
 # ~110 M parameters (8 experts of 3 x 512 x 1024 in each of 8 layers), ~35 M active; every dimension a multiple of
 # 128 so that the blockwise recipe runs everywhere
 MODEL = dict(vocab_size=256, hidden_size=512, num_layers=8, num_attention_heads=8, num_kv_heads=4,
@@ -38,8 +38,9 @@ class Losses(L.Callback):
 
 def callback(run: str):
     from lightning_moe import FP8Training, NVFP4Training
-    if run.startswith("fp8-"):
-        return [FP8Training(run[4:])]
+    if run.startswith("fp8-"):  # fp8-<recipe>[-fastall]: fast accumulation in dgrad and wgrad too
+        recipe, _, fast = run[4:].partition("-")
+        return [FP8Training(recipe, fast_accum="all" if fast == "fastall" else "fprop")]
     return [NVFP4Training()] if run == "nvfp4" else []
 
 

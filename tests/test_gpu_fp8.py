@@ -33,9 +33,10 @@ def _grouped(spec, x, w, dy, offs):
 
 
 @hopper
-@pytest.mark.parametrize("recipe,fmt", [("rowwise", None), ("tensorwise", "e4m3"), ("delayed", "e4m3"),
-                                        ("tensorwise", "hybrid")])
-def test_scaled_grouped_kernel_matches_emulation(recipe, fmt):
+@pytest.mark.parametrize("recipe,fmt,fast", [("rowwise", None, "fprop"), ("tensorwise", "e4m3", "fprop"),
+                                             ("delayed", "e4m3", "fprop"), ("tensorwise", "hybrid", "fprop"),
+                                             ("rowwise", None, "all"), ("rowwise", None, "none")])
+def test_scaled_grouped_kernel_matches_emulation(recipe, fmt, fast):
     from lightning_moe.modules.fp8_linear import FP8Spec
     g = torch.Generator(device="cuda").manual_seed(0)
     L, K, N = 8, 512, 768
@@ -45,7 +46,7 @@ def test_scaled_grouped_kernel_matches_emulation(recipe, fmt):
     x = (torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-1, 1, K, device="cuda")).bfloat16()
     w = (torch.randn(L, K, N, device="cuda", generator=g) * 0.05).bfloat16()
     dy = (torch.randn(M, N, device="cuda", generator=g) * 1e-3).bfloat16()
-    emu, ker = FP8Spec(recipe, emulate=True, fp8_format=fmt), FP8Spec(recipe, fp8_format=fmt)
+    emu, ker = FP8Spec(recipe, emulate=True, fp8_format=fmt), FP8Spec(recipe, fp8_format=fmt, fast_accum=fast)
     for _ in range(2):
         ref, got = _grouped(emu, x, w, dy, offs), _grouped(ker, x, w, dy, offs)
         errs = [_rel(a, b) for a, b in zip(got, ref)]
@@ -53,8 +54,8 @@ def test_scaled_grouped_kernel_matches_emulation(recipe, fmt):
 
 
 @hopper
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_scaled_mm_linear_matches_emulation(recipe):
+@pytest.mark.parametrize("recipe,fast", [("tensorwise", "fprop"), ("rowwise", "fprop"), ("rowwise", "all")])
+def test_scaled_mm_linear_matches_emulation(recipe, fast):
     from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(2048, 1024, device="cuda", generator=g).bfloat16()
@@ -63,7 +64,7 @@ def test_scaled_mm_linear_matches_emulation(recipe):
     out = []
     for emulate in (True, False):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fp8_linear(xx, ww, FP8Spec(recipe, emulate=emulate))
+        y = fp8_linear(xx, ww, FP8Spec(recipe, emulate=emulate, fast_accum=fast))
         y.backward(dy)
         out.append((y, xx.grad, ww.grad))
     errs = [_rel(a, b) for a, b in zip(out[1], out[0])]

@@ -23,6 +23,10 @@ import torch
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+# Which GEMMs accumulate with Hopper's fast FP8 accumulation (fewer accumulator bits, about 2x the speed of the
+# precise mode at fine-grained MoE shapes): "fprop" the forward GEMMs only, as Transformer Engine does (dgrad and wgrad
+# use its split accumulator); "all" the backward ones too, as torchao's MoE training does; "none" no GEMM.
+FAST_ACCUM = ("fprop", "all", "none")
 BLOCK = 128  # blockwise tiles
 _TINY = 1e-12  # an all-zero block gets scale fmt_max / _TINY: any value maps to zero anyway
 
@@ -144,15 +148,17 @@ def _kernel_scales(t: Tiling, scale: torch.Tensor, lhs: bool) -> Optional[torch.
 
 def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, ta: Tiling, tb: Tiling, fmt_a: str, fmt_b: str,
            out_dtype: torch.dtype, emulate: bool = False, amax_a: Optional[torch.Tensor] = None,
-           amax_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+           amax_b: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b^T`` with both operands quantized to FP8 along K. ``torch._scaled_mm`` for tensorwise and rowwise
-    tilings (CUDA and CPU), emulated otherwise or when ``emulate``."""
+    tilings (CUDA and CPU), emulated otherwise or when ``emulate``. ``fast_accum``: the kernel's fast accumulation
+    (Hopper keeps fewer bits in its tensor-core accumulators; see ``FAST_ACCUM``)."""
     qa, sa = quantize(a_MK, fmt_a, ta, amax_a)
     qb, sb = quantize(b_NK, fmt_b, tb, amax_b)
     scale_a, scale_b = _kernel_scales(ta, sa, True), _kernel_scales(tb, sb, False)
     kernel = not emulate and scale_a is not None and scale_b is not None and (fmt_a, fmt_b) != ("e5m2", "e5m2")
     if kernel and scale_a.ndim == scale_b.ndim:
-        return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
     return (dequantize(qa, sa, ta) @ dequantize(qb, sb, tb).t()).to(out_dtype)
 
 

@@ -118,7 +118,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             return saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2), ws  # column-major, as the kernel reads B
 
         w_cm, ws = spec.cached_weight("w", w_LKN, quantize_w)
-        y = _gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, True)
+        y = _gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, spec.fast("fprop"))
         return y.to(x_MK.dtype)
 
     @staticmethod
@@ -139,7 +139,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         dyq, dys = _rows(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd)
         wq, ws = spec.cached_weight("w_t", w_LKN, lambda: _cast(
             w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd))
-        dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs, False)
+        dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs,
+                   spec.fast("dgrad"))
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries
         dest_M, poffs_L, _, P = padded_layout(offs, M, ALIGN)
         gid_P = expert_of_rows(P, poffs_L, x_MK.device)
@@ -151,7 +152,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                                         fwd)
             dyT_NP, ds_LN = _by_expert_t(dy_MN, tokens_amax(dy_MN, offs, t_grad, spec, "dy_t", col), dest_M,
                                          gid_P, P, bwd)
-        dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32), False)
+        dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32),
+                   spec.fast("wgrad"))
         return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None
 
 

@@ -39,6 +39,11 @@ class FP8Spec:
     # None: no caching
     step: Optional[int] = None
     weights: dict = field(default_factory=dict)  # operand -> (step, weight's data_ptr, quantized tensors)
+    fast_accum: str = "fprop"  # which GEMMs use the kernels' fast accumulation (fp8.FAST_ACCUM)
+
+    def fast(self, role: str) -> bool:
+        """Whether the ``role`` GEMM ("fprop", "dgrad" or "wgrad") accumulates fast."""
+        return self.fast_accum == "all" or (self.fast_accum == "fprop" and role == "fprop")
 
     def cached_weight(self, name: str, w: torch.Tensor, make):
         """``make()``, the quantized weight operand ``name``, made once per optimizer step: the micro-batches of a step
@@ -85,11 +90,11 @@ class FP8Spec:
 
 
 def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str], fmts: tuple[str, str],
-        splits_a: tuple, splits_b: tuple, out_dtype) -> torch.Tensor:
+        splits_a: tuple, splits_b: tuple, out_dtype, gemm: str) -> torch.Tensor:
     ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
     amax_a = spec.amax(names[0], a_MK, ta, *splits_a)
     amax_b = spec.amax(names[1], b_NK, tb, *splits_b)
-    return fp8_mm(a_MK, b_NK, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, amax_a, amax_b)
+    return fp8_mm(a_MK, b_NK, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, amax_a, amax_b, spec.fast(gemm))
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -101,7 +106,8 @@ class _FP8Linear(torch.autograd.Function):
         fwd, _ = spec.formats()
         col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         # x: tokens split over data ranks, K over TP (row-parallel); W: N (column) or K (row) over TP
-        y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row), x.dtype)
+        y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row), x.dtype,
+                "fprop")
         return y.reshape(*x.shape[:-1], w_NK.shape[0])
 
     @staticmethod
@@ -113,13 +119,13 @@ class _FP8Linear(torch.autograd.Function):
         dy_MN = dy.reshape(-1, dy.shape[-1])
         # dgrad dx = dy W, reduced over N: dy's N split (column), W^T is K x N
         dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), ("data", col),
-                 (row, col), x_MK.dtype)
+                 (row, col), x_MK.dtype, "dgrad")
         # wgrad dW = dy^T x, reduced over the tokens M (never split); blockwise tiles of 128 tokens: zero rows pad M
         # to a multiple (they add nothing to the product and change no tile's amax)
         pad = (-x_MK.shape[0]) % BLOCK if spec.recipe == "blockwise" else 0
         dy_pad, x_pad = (F.pad(dy_MN, (0, 0, 0, pad)), F.pad(x_MK, (0, 0, 0, pad))) if pad else (dy_MN, x_MK)
         dw = _mm(spec, ("dy_t", "x_t"), dy_pad.t().contiguous(), x_pad.t().contiguous(), ("grad", "input"),
-                 (bwd, fwd), (col, "data"), (row, "data"), w_NK.dtype)
+                 (bwd, fwd), (col, "data"), (row, "data"), w_NK.dtype, "wgrad")
         return dx.reshape(ctx.shape), dw, None
 
 

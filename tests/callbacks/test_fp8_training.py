@@ -90,6 +90,8 @@ def test_refusals():
         FP8Training("mxfp8")
     with pytest.raises(ValueError, match=r"fp8_format='e5m2'\): valid: 'hybrid', 'e4m3'"):
         FP8Training(fp8_format="e5m2")
+    with pytest.raises(ValueError, match=r"fast_accum='dgrad'\): valid: 'fprop', 'all', 'none'"):
+        FP8Training(fast_accum="dgrad")
     with pytest.raises(ValueError, match="the rowwise recipe is E4M3 throughout"):
         FP8Training("rowwise", fp8_format="hybrid")
     lm = MoELanguageModel(preset="tiny", overrides=dict(MODEL, num_kv_heads=2))  # wk: 128 x 64
@@ -103,3 +105,26 @@ def test_refusals():
                                          r"model.layers.1.ffn uses dispatcher='allgather'"):
         _start(FP8Training("rowwise", fp8_dispatch=True), lm)
     assert not any("_mm" in vars(m) for m in lm.modules())  # refused before any GEMM was swapped
+
+
+@pytest.mark.parametrize("fast_accum, expected", [("fprop", [True, False, False]), ("all", [True, True, True]),
+                                                  ("none", [False, False, False])])
+def test_fast_accumulation_reaches_each_gemm(monkeypatch, fast_accum, expected):
+    """The dense FP8 linear's three GEMMs (forward, dgrad, wgrad) ask ``torch._scaled_mm`` for fast accumulation as
+    ``fast_accum`` says; the callback hands the option to every spec it makes."""
+    seen, real = [], torch._scaled_mm
+
+    def spy(*args, use_fast_accum=False, **kwargs):
+        seen.append(use_fast_accum)
+        return real(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    lm = _lm()
+    cb = FP8Training("rowwise", fast_accum=fast_accum)
+    _start(cb, lm)
+    wq = lm.model.layers[1].attn.wq
+    assert vars(wq)["_mm"].keywords["spec"].fast_accum == fast_accum
+    x = torch.randn(2, 8, 128, requires_grad=True)
+    wq(x).sum().backward()
+    assert seen == expected
+    cb.teardown(None, lm, "fit")
