@@ -298,6 +298,16 @@ def run_one(args, preset: str) -> dict:
                                seed=args.seed, **packing)
         model = MoELanguageModel(config=cfg, lr=args.lr, warmup_steps=min(10, steps), max_steps=steps,
                                  log_expert_load=False, seed=args.seed)
+        if args.no_expert_wgrad_fusion:  # the dense linears' fusion only (the earlier default), for comparisons
+            from lightning_moe.modules.experts import GroupedExperts
+            configure = model.configure_model
+
+            def configure_dense_only():
+                configure()
+                for m in model.modules():
+                    if isinstance(m, GroupedExperts):
+                        m.w13.wgrad_fusable = m.w2.wgrad_fusable = False
+            model.configure_model = configure_dense_only
         timer = StepTimer(device, warmup, steps)
         opt_timer = OptimizerTimer(device, warmup, steps)
         memory_callbacks = []
@@ -310,6 +320,7 @@ def run_one(args, preset: str) -> dict:
         if args.fp8:  # FLOPs stay counted as in bf16 (as Megatron counts them): MFU stays comparable
             from lightning_moe import FP8Training
             memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format, fp8_dispatch=args.fp8_dispatch,
+                                                fast_accum=args.fp8_fast_accum,
                                                 cache_weights=not args.fp8_no_weight_cache))
         if args.nvfp4:
             from lightning_moe import NVFP4Training
@@ -368,7 +379,10 @@ def run_one(args, preset: str) -> dict:
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
            "devices": args.devices, "recompute": args.recompute, "pack_documents": args.pack_documents,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
-           "fp8_dispatch": args.fp8_dispatch, "nvfp4": args.nvfp4,
+           "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
+           "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
+                            else "dense+experts"),
+           "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
@@ -402,10 +416,12 @@ def run_in_subprocess(args, preset: str) -> dict:
                 cmd += [flag, str(value)]
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         cmd += ["--no-wgrad-fusion"] if args.no_wgrad_fusion else []
+        cmd += ["--no-expert-wgrad-fusion"] if args.no_expert_wgrad_fusion else []
         cmd += ["--pack-documents", "--doc-median", str(args.doc_median)] if args.pack_documents else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
+        cmd += ["--fp8-fast-accum", args.fp8_fast_accum]
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
         cmd += ["--overlap-moe-comm"] if args.overlap_moe_comm else []
         cmd += ["--probs-in-combine"] if args.probs_in_combine else []
@@ -449,6 +465,8 @@ def main(argv=None) -> dict:
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
     p.add_argument("--no-wgrad-fusion", action="store_true",
                    help="MoEFoldStrategy(gradient_accumulation_fusion=False): the unfused baseline")
+    p.add_argument("--no-expert-wgrad-fusion", action="store_true",
+                   help="the experts' wgrad GEMMs write bf16 gradients for the hook to add (the dense linears still fuse)")
     p.add_argument("--distributed-optimizer", action="store_true", help="MoEFoldStrategy(distributed_optimizer=True)")
     p.add_argument("--recompute", default=None, help="lightning_moe.Recompute(modules): comma-separated names")
     p.add_argument("--offload-activations", default=None,
@@ -484,6 +502,7 @@ def main(argv=None) -> dict:
     p.add_argument("--fp8", default=None, help="lightning_moe.FP8Training(recipe): tensorwise, delayed, rowwise, "
                    "blockwise")
     p.add_argument("--fp8-format", default=None, help="FP8Training(fp8_format=...): hybrid or e4m3")
+    p.add_argument("--fp8-fast-accum", default="fprop", help="FP8Training(fast_accum=...): fprop, all or none")
     p.add_argument("--fp8-no-weight-cache", action="store_true",
                    help="FP8Training(cache_weights=False): quantize the expert weights at every micro-batch")
     p.add_argument("--fp8-dispatch", action="store_true",

@@ -12,12 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.modules import kernels
+from lightning_moe.modules import kernels, wgrad_fusion
 from lightning_moe.modules.init import full_normal, shard
 from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _aligned(x_MK: torch.Tensor, w_LKN: torch.Tensor) -> bool:
+    return (x_MK.shape[-1] * x_MK.element_size()) % 16 == 0 and (w_LKN.shape[-1] * w_LKN.element_size()) % 16 == 0
 
 
 def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
@@ -26,8 +30,7 @@ def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) ->
     ``torch.nn.functional.grouped_mm`` does the work; float64 (gradcheck) and shapes whose strides are not 16-byte
     aligned fall back to a gather-based reference that is slow but loop-free.
     """
-    aligned = (x_MK.shape[-1] * x_MK.element_size()) % 16 == 0 and (w_LKN.shape[-1] * w_LKN.element_size()) % 16 == 0
-    if x_MK.dtype in _GROUPED_MM_DTYPES and aligned:
+    if x_MK.dtype in _GROUPED_MM_DTYPES and _aligned(x_MK, w_LKN):
         y = F.grouped_mm(x_MK, w_LKN, offs=offs_L)
         if y.requires_grad:  # grouped_mm's backward rejects stride-0 grads (e.g. from .sum()) on CPU
             y.register_hook(torch.Tensor.contiguous)
@@ -52,8 +55,10 @@ class GroupedMM(nn.Module):
         return self._mm(x_MK, w_LKN, offs_L)
 
     def _mm(self, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
-        """The GEMM: the place where low-precision GEMMs are swapped in (``FP8Training``)."""
-        return grouped_mm(x_MK, w_LKN, offs_L)
+        """The GEMM: the place where low-precision GEMMs are swapped in (``FP8Training``). Where GradSync accumulates
+        the weight's gradient itself (gradient-accumulation fusion), the wgrad GEMM adds into its main grad."""
+        y = wgrad_fusion.grouped_linear(x_MK, w_LKN, offs_L) if _aligned(x_MK, w_LKN) else None
+        return grouped_mm(x_MK, w_LKN, offs_L) if y is None else y
 
 
 def _kernels(t: torch.Tensor, fused: bool):
@@ -150,6 +155,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local_experts, self.ffn, hidden))
         for p in (self.w13, self.w2):
             p.is_expert = True
+            p.wgrad_fusable = True  # GradSync may accumulate its gradient in the GEMM (wgrad_fusion.py)
         self.fc1, self.act, self.fc2 = GroupedMM(), SwiGLUActivation(fused), GroupedMM()
 
     @torch.no_grad()

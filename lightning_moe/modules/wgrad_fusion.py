@@ -1,23 +1,29 @@
-"""Gradient-accumulation fusion (Megatron's ``--gradient-accumulation-fusion``) for the dense linears.
+"""Gradient-accumulation fusion (Megatron's ``--gradient-accumulation-fusion``) for the dense linears and the experts.
 
 With bf16 weights and fp32 main grads (``GradSync(main_grads=True)``), autograd's weight gradient is a bf16 GEMM
 output that GradSync's hook then reads back and copies or adds into ``main_grad``: 2 + 2 + 4 (+ 4 on later
 micro-batches) bytes per weight element, and one bf16 rounding of every micro-batch's gradient. Here the weight-gradient
-GEMM writes its fp32 result straight into ``main_grad`` (first micro-batch of a step: ``mm`` into it) or adds it there
-(later ones: ``addmm`` with beta = 1 in cuBLAS's epilogue): 4 (+ 4) bytes per element, no bf16 rounding.
+GEMM writes its fp32 result straight into ``main_grad`` (first micro-batch of a step) or adds it there (later ones):
+4 (+ 4) bytes per element, no bf16 rounding.
 
-Covered: every ``ColumnParallelLinear`` / ``RowParallelLinear`` (attention and MLA projections, dense FFN, shared
-experts, an untied head). Not covered:
-* the experts' grouped GEMMs: ``torch.nn.functional.grouped_mm`` has neither an output argument nor an accumulating
-  epilogue, so an fp32 wgrad would be a new buffer plus an add, more bytes than the bf16 gradient it replaces;
+Covered:
+* every ``ColumnParallelLinear`` / ``RowParallelLinear`` (attention and MLA projections, dense FFN, shared experts, an
+  untied head): cuBLAS's ``mm`` into the main grad, or ``addmm`` with beta = 1 in its epilogue;
+* the experts' grouped GEMMs (``experts.fc1`` / ``fc2`` in bf16): ``torch.nn.functional.grouped_mm`` has neither an
+  output argument nor an accumulating epilogue, so their weight gradient runs on a Triton grouped GEMM that adds its
+  fp32 tiles into the main grad (``triton_grouped_wgrad.py``); the forward and the input gradient stay on
+  ``grouped_mm``. Without CUDA (or triton) the same arithmetic runs from fp32 copies, as for the dense linears.
+
+Not covered:
 * a tied head (``F.linear`` on the embedding's weight): the weight also gets the embedding's gradient in the same
   backward, and autograd would add the two before the hook;
-* the router (fp32 weight and gradient already) and the norms (vectors).
+* the router (fp32 weight and gradient already) and the norms (vectors);
+* GEMMs swapped for FP8 ones (``FP8Training``): their wgrad is an FP8 kernel with a bf16 output.
 
 The weight's autograd gradient is then an uninitialised tensor (as in Megatron): it only fires the post-accumulate
 hook that counts the bucket as ready, and GradSync drops it unread.
 
-Shapes: T tokens (all leading dimensions), K input features, N output features.
+Shapes: T tokens (all leading dimensions), K input features, N output features; M routed rows, L local experts.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+
+from lightning_moe.modules import kernels
 
 
 def sink_of(w: torch.Tensor):
@@ -74,7 +82,8 @@ class _LinearWgradIntoMainGrad(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             N, K = w_NK.shape
-            ctx.sync.accumulate_wgrad(w_NK, dy_TN.reshape(-1, N), x_TK.reshape(-1, K))
+            dy, x = dy_TN.reshape(-1, N), x_TK.reshape(-1, K)
+            ctx.sync.accumulate_wgrad(w_NK, lambda main, first: wgrad_into(main, dy, x, first))
             dw = torch.empty_like(w_NK)  # never read: it only fires the hook (GradSync drops it)
         return dx_TK, dw, None
 
@@ -87,3 +96,48 @@ def linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
             or torch.is_autocast_enabled(x_TK.device.type)):
         return F.linear(x_TK, w_NK)
     return _LinearWgradIntoMainGrad.apply(x_TK, w_NK, sync)
+
+
+@torch.no_grad()
+def grouped_wgrad_into(main_LKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_L: torch.Tensor,
+                       first: bool) -> None:
+    """``main[l] (=|+=) x_l^T dy_l`` over each expert's rows (``offs``: cumulative row counts), in fp32."""
+    tk = kernels.load("triton_grouped_wgrad", x_MK)
+    if tk is not None and x_MK.dtype in (torch.bfloat16, torch.float16):
+        tk.wgrad_into(main_LKN, x_MK, dy_MN, offs_L, first)
+        return
+    # the reference: fp32 copies on grouped_mm, whose strides must be 16-byte multiples (K and N padded to 4)
+    L, K, N = main_LKN.shape
+    Kp, Np = -(-K // 4) * 4, -(-N // 4) * 4
+    x32, dy32 = F.pad(x_MK.float(), (0, Kp - K)), F.pad(dy_MN.float(), (0, Np - N))
+    prod_LKN = F.grouped_mm(x32.t(), dy32, offs=offs_L.to(torch.int32))[:, :K, :N]
+    main_LKN.copy_(prod_LKN) if first else main_LKN.add_(prod_LKN)
+
+
+class _GroupedWgradIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_LKN, offs_L, sync):
+        ctx.save_for_backward(x_MK, offs_L)
+        ctx.weight, ctx.sync = w_LKN, sync  # the parameter itself (see _LinearWgradIntoMainGrad)
+        return F.grouped_mm(x_MK, w_LKN, offs=offs_L)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        (x_MK, offs_L), w_LKN = ctx.saved_tensors, ctx.weight
+        dy_MN = dy_MN.contiguous()  # a stride-0 gradient (from .sum()) is not a GEMM operand
+        dx_MK = F.grouped_mm(dy_MN, w_LKN.transpose(-2, -1), offs=offs_L) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            ctx.sync.accumulate_wgrad(w_LKN, lambda main, first: grouped_wgrad_into(main, x_MK, dy_MN, offs_L, first))
+            dw = torch.empty_like(w_LKN)  # never read: it only fires the hook (GradSync drops it)
+        return dx_MK, dw, None, None
+
+
+def grouped_linear(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor):
+    """``grouped_mm(x, w, offs)`` with the weight gradient accumulated straight into ``w.main_grad`` where a GradSync
+    asked for it; None where it did not (or under autocast, or without gradients): the caller runs its own GEMM."""
+    sync = sink_of(w_LKN)
+    if (sync is None or not torch.is_grad_enabled() or not w_LKN.requires_grad
+            or torch.is_autocast_enabled(x_MK.device.type) or x_MK.dtype != w_LKN.dtype):
+        return None
+    return _GroupedWgradIntoMainGrad.apply(x_MK, w_LKN, offs_L, sync)

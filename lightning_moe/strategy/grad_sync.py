@@ -188,11 +188,12 @@ class GradSync:
             self._final = set()
         self._final.update(id(p) for p in params)
 
-    def accumulate_wgrad(self, p: torch.nn.Parameter, dy_TN: torch.Tensor, x_TK: torch.Tensor) -> None:
-        """A fused linear's backward: ``p.main_grad`` (+)= dy^T x; the first gradient of a step overwrites, as the
-        hook's copy would (a weight used twice in one backward adds its second)."""
+    def accumulate_wgrad(self, p: torch.nn.Parameter, write) -> None:
+        """A fused GEMM's backward: ``write(p.main_grad, first)`` puts (``first``) or adds this micro-batch's weight
+        gradient there; the first gradient of a step overwrites, as the hook's copy would (a weight used twice in one
+        backward adds its second)."""
         first = id(p) not in self._seen and id(p) not in self._fused
-        wgrad_fusion.wgrad_into(p.main_grad, dy_TN, x_TK, first)
+        write(p.main_grad, first)
         self._fused.add(id(p))
 
     @torch.no_grad()

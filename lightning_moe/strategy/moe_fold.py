@@ -161,10 +161,10 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             an error after N such steps in a row. None (default): step whatever the norm. Not with the distributed
             optimizer yet.
         gradient_accumulation_fusion: Megatron's ``--gradient-accumulation-fusion``: the weight-gradient GEMMs of the
-            dense linears (attention and MLA projections, dense FFN, shared experts, an untied head) write their fp32
-            result straight into the main grads, first micro-batch of a step, or add it there (cuBLAS's epilogue), so
-            no bf16 gradient is written and read back (``modules/wgrad_fusion.py``, which says what it does not
-            cover and why). None (default): on wherever main grads exist (``precision="bf16-true"``), except inside
+            dense linears (attention and MLA projections, dense FFN, shared experts, an untied head) and of the experts
+            write their fp32 result straight into the main grads, first micro-batch of a step, or add it there
+            (cuBLAS's epilogue for the linears, a Triton grouped GEMM's for the experts), so no bf16 gradient is
+            written and read back (``modules/wgrad_fusion.py``, which says what it does not cover and why). None (default): on wherever main grads exist (``precision="bf16-true"``), except inside
             CUDA graphs. True where it cannot apply is refused.
     """
 

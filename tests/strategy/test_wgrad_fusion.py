@@ -119,17 +119,20 @@ def test_options_refuse_what_cannot_apply():
         GradSync([], ParallelContext.single(), main_grads=False, fuse_wgrad=True)
 
 
-def test_trainer_bf16_true_fuses_the_dense_linears_and_trains_like_the_unfused_run(tmp_path):
+def test_trainer_bf16_true_fuses_the_linears_and_experts_and_trains_like_the_unfused_run(tmp_path):
+    from lightning_moe.modules.experts import GroupedExperts
     from tests.strategy.test_main_params import _fit
     losses, fused = {}, {}
     for fuse in (None, False):  # None: the default, on with main grads
         trainer, model = _fit(tmp_path / str(fuse), 4, gradient_accumulation_fusion=fuse,
                               callbacks=[_Losses(losses.setdefault(fuse, []), fused.setdefault(fuse, set()))])
         linears = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-        assert len(linears) > 4 and fused[fuse] == ({id(w) for w in linears} if fuse is None else set()), fuse
+        experts = [w for m in model.modules() if isinstance(m, GroupedExperts) for w in (m.w13, m.w2)]
+        assert len(linears) > 4 and experts
+        assert fused[fuse] == ({id(w) for w in linears + experts} if fuse is None else set()), fuse
     a, b = torch.tensor(losses[None]), torch.tensor(losses[False])
     assert len(a) == 8 and torch.isfinite(a).all()
-    # the same training up to the bf16 rounding of each micro-batch's dense weight gradient, which fusion removes
+    # the same training up to the bf16 rounding of each micro-batch's weight gradient, which fusion removes
     assert not torch.equal(a[2:], b[2:])
     torch.testing.assert_close(a, b, rtol=2e-2, atol=0)
 
@@ -195,3 +198,53 @@ class _Losses:
                 out.append(float(outputs["loss"]))
                 fused.update(id(p) for p in trainer.strategy._grad_sync.fused_params)
         return Cb()
+
+
+def _experts_run(fuse: bool, micro=3) -> tuple:
+    """bf16 GroupedExperts (4 experts, one empty, rows past the last) under GradSync; each micro-batch's main grads
+    and input gradient."""
+    from lightning_moe.modules.experts import GroupedExperts
+    torch.manual_seed(0)
+    ex = GroupedExperts(4, 16, 32, init_std=0.3, out_std=0.3)
+    ex.reset_parameters_sharded(0, "experts")
+    ex = ex.to(torch.bfloat16)
+    sync = GradSync(list(ex.parameters()), ParallelContext.single(), main_grads=True, fuse_wgrad=fuse)
+    g = torch.Generator().manual_seed(2)
+    counts = torch.tensor([5, 0, 9, 6])
+    out = []
+    sync.arm()
+    for _ in range(micro):
+        x = torch.randn(int(counts.sum()) + 3, 16, generator=g).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(x.shape[0], 16, generator=g).to(torch.bfloat16)
+        ex(x, counts, has_tail=True).backward(dy)
+        out.append((x.detach(), dy, x.grad))
+    sync.finish()
+    return ex, sync, out
+
+
+def test_expert_wgrad_is_the_fp32_sum_of_the_micro_batches_and_dx_is_unchanged():
+    ex, sync, fused = _experts_run(True)
+    _, _, plain = _experts_run(False)
+    assert {id(p) for p in sync.fused_params} == {id(ex.w13), id(ex.w2)}
+    assert ex.w13.grad is None and ex.w2.grad is None  # the placeholders were dropped unread
+    for (_, _, a), (_, _, b) in zip(fused, plain):
+        assert torch.equal(a, b)  # the input gradient is grouped_mm's either way
+    # the reference: each micro-batch's x_l^T dy_l from fp32 copies of the bf16 operands, summed in fp32
+    bounds = [0, 5, 5, 14, 20]
+    want13, want2 = torch.zeros_like(ex.w13, dtype=torch.float32), torch.zeros_like(ex.w2, dtype=torch.float32)
+    for x, dy, _ in fused:
+        x = torch.where(torch.arange(x.shape[0]).unsqueeze(1) < 20, x, 0)  # has_tail masks the rows past the last
+        h = torch.cat([x[a:b] @ ex.w13[l] for l, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        gate, up = h.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        for l, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            want2[l] += act[a:b].float().t() @ dy[a:b].float()
+            dact = dy[a:b] @ ex.w2[l].t()
+            dgate = torch.ops.aten.silu_backward(dact * up[a:b], gate[a:b])
+            want13[l] += x[a:b].float().t() @ torch.cat([dgate, dact * torch.nn.functional.silu(gate[a:b])], -1).float()
+    torch.testing.assert_close(ex.w2.main_grad, want2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ex.w13.main_grad, want13, rtol=2e-2, atol=2e-2)  # dgate: the bf16 SwiGLU backward
+    # unfused, each micro-batch's gradient was rounded to bf16 first: further from the fp32 sum
+    ex_plain, _, _ = _experts_run(False)
+    err_fused, err_plain = ((m - want2).abs().max() for m in (ex.w2.main_grad, ex_plain.w2.main_grad))
+    assert err_plain > 1e-4 and err_fused < err_plain / 10, (err_fused, err_plain)

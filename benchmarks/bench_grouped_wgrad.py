@@ -1,0 +1,82 @@
+"""The experts' weight-gradient GEMM with its main-grad accumulation, two ways, at the presets' expert shapes:
+
+  unfused  ``F.grouped_mm(x^T, dy, offs)`` (bf16 out, CUTLASS) then ``main.add_(g)`` (or ``copy_`` on the first
+           micro-batch of a step): what GradSync's hook does with autograd's gradient
+  fused    ``triton_grouped_wgrad.wgrad_into``: fp32 tiles added (or written) into main in the GEMM's epilogue
+
+Balanced routing, bf16 operands, fp32 main grads. Prints JSON: median ms of each, the speed-up, and the GEMM's TFLOP/s.
+
+    python benchmarks/bench_grouped_wgrad.py --shapes qwen3,olmoe,mixtral
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+import torch.nn.functional as F
+from common import emit, env_info, log
+
+# name: (experts, routed rows, K, N) of fc1 (K = hidden, N = 2 x ffn) and fc2 (K = ffn, N = hidden), micro-batch of
+# the model benchmarks (qwen3 and olmoe 2 x 4096 tokens, mixtral 1 x 4096)
+SHAPES = {"qwen3": (128, 8192 * 8, 2048, 768), "olmoe": (64, 8192 * 8, 2048, 1024),
+          "mixtral": (8, 4096 * 2, 4096, 14336)}
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    return sorted(ms)[len(ms) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="qwen3,olmoe,mixtral")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from lightning_moe.modules.triton_grouped_wgrad import wgrad_into
+    dev = torch.device("cuda")
+    records = []
+    for name in args.shapes.split(","):
+        E, M, D, Fh = SHAPES[name]
+        offs = torch.full((E,), M // E, device=dev).cumsum(0).to(torch.int32)
+        for gemm, K, N in (("fc1", D, 2 * Fh), ("fc2", Fh, D)):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+            main = torch.zeros(E, K, N, device=dev)
+            rec = {"shape": name, "gemm": gemm, "experts": E, "rows": M, "K": K, "N": N}
+            flop = 2 * M * K * N
+            for first in (False, True):
+                def unfused():
+                    g = F.grouped_mm(x.t(), dy, offs=offs)
+                    main.copy_(g) if first else main.add_(g)
+
+                def fused():
+                    wgrad_into(main, x, dy, offs, first)
+                t_u, t_f = _time(unfused, args.iters), _time(fused, args.iters)
+                gemm_only = _time(lambda: F.grouped_mm(x.t(), dy, offs=offs), args.iters)
+                key = "first" if first else "accumulate"
+                rec[key] = {"unfused_ms": t_u, "fused_ms": t_f, "speedup": t_u / t_f, "grouped_mm_ms": gemm_only,
+                            "fused_tflops": flop / t_f / 1e9, "grouped_mm_tflops": flop / gemm_only / 1e9}
+            log(f"{name} {gemm}: accumulate {rec['accumulate']['unfused_ms']:.3f} -> {rec['accumulate']['fused_ms']:.3f}"
+                f" ms (x{rec['accumulate']['speedup']:.2f}), first {rec['first']['unfused_ms']:.3f} -> "
+                f"{rec['first']['fused_ms']:.3f} ms (x{rec['first']['speedup']:.2f}); grouped_mm alone "
+                f"{rec['first']['grouped_mm_ms']:.3f} ms")
+            records.append(rec)
+            del x, dy, main
+    emit({"benchmark": "bench_grouped_wgrad", "env": env_info(dev), "records": records}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One H100, issue 21: the experts' wgrad GEMM accumulating into the fp32 main grads (triton_grouped_wgrad.py).
+# Part "tests": the kernel and the GPU tests that run main grads; the kernel against grouped_mm + add; qwen3 4 layers
+# with the experts fused (default) and without (--no-expert-wgrad-fusion). Part "models": mixtral 2 layers and
+# deepseek-v3 2 layers (32 experts, vocab 32768) both ways; parts "mixtral" and "deepseek" run one each. Usage (repo root): OUT=dir bash benchmarks/run_h100_wgrad.sh PART
+set -uo pipefail
+OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+model() {  # name preset flags...
+  local name=$1 preset=$2; shift 2
+  timeout 170 python3 benchmarks/bench_model.py --preset "$preset" --steps 5 --warmup-steps 2 "$@" \
+    --out "$OUT/m_$name.json" > "$OUT/m_$name.log" 2>&1
+  python3 -c "import json; r=json.load(open('$OUT/m_$name.json'))['records'][0]; print('$name', r['wgrad_fusion'], {k: round(r.get(k), 4) for k in ('tokens_per_sec','tflops_per_gpu','mfu','peak_mem_gib','optimizer_step_ms_median')})" \
+    2>/dev/null || { echo "$name failed"; grep -E "Error|error" "$OUT/m_$name.log" | tail -3 | cut -c1-300; }
+}
+case "${1:-tests}" in
+tests)
+  for f in tests/modules/test_triton_grouped_wgrad.py tests/test_gpu_wgrad_fusion.py tests/test_gpu.py \
+           tests/test_gpu_activations.py tests/test_gpu_moe_overlap.py; do
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
+    echo "$f: $(tail -1 "$OUT/tests.log")"
+  done
+  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  timeout 120 python3 benchmarks/bench_grouped_wgrad.py --out "$OUT/wgrad.json" 2>&1 >/dev/null | grep -v Warning
+  model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2
+  model qwen3_dense qwen3-30b-a3b --batch 2 --accumulate 2 --no-expert-wgrad-fusion ;;
+models|mixtral|deepseek)
+  [ "$1" = deepseek ] || model mixtral mixtral-8x7b --batch 1 --accumulate 4
+  [ "$1" = deepseek ] || model mixtral_dense mixtral-8x7b --batch 1 --accumulate 4 --no-expert-wgrad-fusion
+  [ "$1" = mixtral ] && exit 0
+  model deepseek deepseek-v3 --layers 2 --vocab 32768 --first-k-dense 1 --experts 32 --batch 1 --accumulate 4
+  model deepseek_dense deepseek-v3 --layers 2 --vocab 32768 --first-k-dense 1 --experts 32 --batch 1 --accumulate 4 \
+    --no-expert-wgrad-fusion ;;
+esac
