@@ -16,27 +16,12 @@ import argparse
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.nn.functional as F
-from common import emit, env_info, log
+from common import emit, env_info, log, time_fn
 
 # name: (experts, routed rows, K, N) of fc1 (K = hidden, N = 2 x ffn) and fc2 (K = ffn, N = hidden), micro-batch of
 # the model benchmarks (qwen3 and olmoe 2 x 4096 tokens, mixtral 1 x 4096)
 SHAPES = {"qwen3": (128, 8192 * 8, 2048, 768), "olmoe": (64, 8192 * 8, 2048, 1024),
           "mixtral": (8, 4096 * 2, 4096, 14336)}
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return sorted(ms)[len(ms) // 2]
 
 
 def main() -> None:
@@ -64,8 +49,8 @@ def main() -> None:
 
                 def fused():
                     wgrad_into(main, x, dy, offs, first)
-                t_u, t_f = _time(unfused, args.iters), _time(fused, args.iters)
-                gemm_only = _time(lambda: F.grouped_mm(x.t(), dy, offs=offs), args.iters)
+                t_u, t_f, gemm_only = (time_fn(fn, dev, args.iters, 3)["median_ms"] for fn in (
+                    unfused, fused, lambda: F.grouped_mm(x.t(), dy, offs=offs)))
                 key = "first" if first else "accumulate"
                 rec[key] = {"unfused_ms": t_u, "fused_ms": t_f, "speedup": t_u / t_f, "grouped_mm_ms": gemm_only,
                             "fused_tflops": flop / t_f / 1e9, "grouped_mm_tflops": flop / gemm_only / 1e9}

@@ -8,23 +8,16 @@ outer test runs this file again in a fresh process with ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton")
 
-INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    run_interpreted(__file__, timeout=1200, TRITON_DEFAULT_FP_FUSION="1")
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")

@@ -5,24 +5,17 @@ torch code they replace in ``fp8_grouped_kernels``: the same fp8 bytes and scale
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    run_interpreted(__file__, timeout=600)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")

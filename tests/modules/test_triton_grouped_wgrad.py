@@ -5,14 +5,11 @@ process (skipped without triton, as in CI); on CUDA directly (``gpu``), up to th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.modules.interpreted import INSIDE, run_interpreted
+
 # (rows per expert, K, N, dtype, rows past the last expert)
 CASES = [([5, 0, 17, 33], 24, 40, torch.float32, 3), ([16, 16], 32, 48, torch.bfloat16, 0),
          ([0, 0, 7], 20, 36, torch.bfloat16, 5), ([40], 16, 16, torch.float32, 0)]
@@ -21,10 +18,7 @@ CASES = [([5, 0, 17, 33], 24, 40, torch.float32, 3), ([16, 16], 32, 48, torch.bf
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and f"{len(CASES)} passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_interpreted(__file__, k="interpreted", passed=len(CASES))
 
 
 def _check(counts, K, N, dtype, tail, device):

@@ -4,14 +4,11 @@ Triton interpreter in a fresh process (skipped without triton, as in CI); on CUD
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-INSIDE = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.modules.interpreted import INSIDE, run_interpreted
+
 # (rows, F, dtype, weighted); rows as a tuple: leading dims (the dense MLPs pass (B, S, 2F))
 CASES = [(37, 96, torch.float32, True), (64, 768, torch.bfloat16, True), (5, 1500, torch.bfloat16, True),
          (33, 64, torch.float32, False), (9, 2048, torch.bfloat16, False), (0, 32, torch.bfloat16, True),
@@ -21,10 +18,7 @@ CASES = [(37, 96, torch.float32, True), (64, 768, torch.bfloat16, True), (5, 150
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and f"{len(CASES)} passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_interpreted(__file__, k="interpreted", passed=len(CASES))
 
 
 def _check(M, F, dtype, weighted, device):
