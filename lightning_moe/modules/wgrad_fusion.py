@@ -101,7 +101,8 @@ def linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def grouped_wgrad_into(main_LKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_L: torch.Tensor,
                        first: bool) -> None:
-    """``main[l] (=|+=) x_l^T dy_l`` over each expert's rows (``offs``: cumulative row counts), in fp32."""
+    """``main[l] (=|+=) x_l^T dy_l`` over each expert's rows (``offs``: cumulative row counts), accumulated in fp32
+    and stored in main's dtype."""
     tk = kernels.load("triton_grouped_wgrad", x_MK)
     if tk is not None and x_MK.dtype in (torch.bfloat16, torch.float16):
         tk.wgrad_into(main_LKN, x_MK, dy_MN, offs_L, first)
@@ -137,7 +138,10 @@ def grouped_linear(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor
     """``grouped_mm(x, w, offs)`` with the weight gradient accumulated straight into ``w.main_grad`` where a GradSync
     asked for it; None where it did not (or under autocast, or without gradients): the caller runs its own GEMM."""
     sync = sink_of(w_LKN)
+    # 16-bit weights only: an fp32 weight's autograd gradient is already the fp32 one (nothing to save), float64 has
+    # no grouped_mm
     if (sync is None or not torch.is_grad_enabled() or not w_LKN.requires_grad
-            or torch.is_autocast_enabled(x_MK.device.type) or x_MK.dtype != w_LKN.dtype):
+            or torch.is_autocast_enabled(x_MK.device.type) or x_MK.dtype != w_LKN.dtype
+            or w_LKN.dtype not in (torch.bfloat16, torch.float16)):
         return None
     return _GroupedWgradIntoMainGrad.apply(x_MK, w_LKN, offs_L, sync)

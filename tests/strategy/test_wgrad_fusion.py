@@ -248,3 +248,24 @@ def test_expert_wgrad_is_the_fp32_sum_of_the_micro_batches_and_dx_is_unchanged()
     ex_plain, _, _ = _experts_run(False)
     err_fused, err_plain = ((m - want2).abs().max() for m in (ex.w2.main_grad, ex_plain.w2.main_grad))
     assert err_plain > 1e-4 and err_fused < err_plain / 10, (err_fused, err_plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_expert_fusion_only_for_16_bit_weights(dtype):
+    """An fp32 weight's autograd gradient is already fp32 (nothing to save), and float64 has no grouped_mm: both run
+    the plain GEMM, and the hook accumulates as without fusion."""
+    from lightning_moe.modules.experts import GroupedExperts
+    ex = GroupedExperts(2, 16, 32, init_std=0.3, out_std=0.3)
+    ex.reset_parameters_sharded(0, "experts")
+    ex = ex.to(dtype)
+    sync = GradSync(list(ex.parameters()), ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+    assert {id(p) for p in sync.fused_params} == {id(ex.w13), id(ex.w2)}  # asked for, but declined per call
+    x = torch.randn(6, 16, dtype=dtype)
+    sync.arm()
+    ex(x, torch.tensor([4, 2])).sum().backward()
+    sync.finish()
+    ref = GroupedExperts(2, 16, 32, init_std=0.3, out_std=0.3)
+    ref.reset_parameters_sharded(0, "experts")
+    ref = ref.to(dtype)
+    ref(x, torch.tensor([4, 2])).sum().backward()
+    assert torch.equal(ex.w13.main_grad, ref.w13.grad.to(ex.w13.main_grad.dtype))
