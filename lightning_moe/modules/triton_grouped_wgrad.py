@@ -63,9 +63,10 @@ def _config(bk, bn, br, warps, stages, group=8):
 
 # Hopper tiles: one large CTA per SM, or two smaller ones whose epilogues (the main grad's read-modify-write) overlap
 # the other's GEMM. Every config reduces the rows in the same chunks of 64, so that the tuner's choice leaves the order
-# of the sum alone (a run-to-run timing difference must not change the numbers). Only the writing launch is tuned: each trial writes the same result, so tuning needs no copy of the
-# main grad (an accumulating trial would have to restore it); the accumulating launch takes the writing launch's
-# config for the shape (the first micro-batch of a step, which writes, comes first).
+# of the sum alone (a run-to-run timing difference must not change the numbers). Only the writing launch is tuned:
+# each trial writes the same result, so tuning needs no copy of the main grad (an accumulating trial would have to
+# restore it). The accumulating launch takes the writing launch's config for the shape (the first micro-batch of a
+# step, which writes, comes first).
 DEFAULT = _config(128, 256, 64, 8, 3)
 _write = triton.autotune(
     configs=[DEFAULT, _config(128, 128, 64, 4, 4), _config(256, 128, 64, 8, 3), _config(128, 128, 64, 4, 3),
