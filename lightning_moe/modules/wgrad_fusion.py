@@ -12,7 +12,8 @@ Covered:
 * the experts' grouped GEMMs (``experts.fc1`` / ``fc2`` in bf16): ``torch.nn.functional.grouped_mm`` has neither an
   output argument nor an accumulating epilogue, so their weight gradient runs on a Triton grouped GEMM that adds its
   fp32 tiles into the main grad (``triton_grouped_wgrad.py``); the forward and the input gradient stay on
-  ``grouped_mm``. Without CUDA (or triton) the same arithmetic runs from fp32 copies, as for the dense linears.
+  ``grouped_mm``. On the CPU the same arithmetic runs from fp32 copies, as for the dense linears; on CUDA without
+  triton the experts keep the plain GEMM.
 
 Not covered:
 * a tied head (``F.linear`` on the embedding's weight): the weight also gets the embedding's gradient in the same
@@ -144,4 +145,6 @@ def grouped_linear(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor
             or torch.is_autocast_enabled(x_MK.device.type) or x_MK.dtype != w_LKN.dtype
             or w_LKN.dtype not in (torch.bfloat16, torch.float16)):
         return None
+    if x_MK.is_cuda and kernels.load("triton_grouped_wgrad", x_MK) is None:
+        return None  # no triton: the fp32 reference's grouped_mm would sync with the host on CUDA
     return _GroupedWgradIntoMainGrad.apply(x_MK, w_LKN, offs_L, sync)
