@@ -80,7 +80,8 @@ def step_time(model: ModelShape, c: Candidate, s: Settings, gpu: GPU) -> StepTim
                                for j in range(3))
         dense, expert = c.rank_params(model, r)
         main_grad = K.MAIN_GRAD_BYTES[s.precision] if s.fp32_main_params or s.precision != "bf16-true" else 2
-        compute += main_grad * (dense + expert) / gpu.hbm_bytes_s
+        fused = s.expert_wgrad_fusion and s.precision == "bf16-true" and s.fp32_main_params
+        compute += (main_grad * dense + (K.MAIN_GRAD_FUSED_EXPERT_BYTES if fused else main_grad) * expert) / gpu.hbm_bytes_s
         if r == c.pp - 1:  # head GEMM and the fp32 loss over the logits
             compute += T / c.tp * model.flops["logits"] / (gpu.bf16_flops * K.DENSE_GEMM)
             compute += K.LOSS_PASSES * loss_bytes(cfg, c.tp) * T / gpu.hbm_bytes_s

@@ -31,6 +31,9 @@ A2A_LATENCY_S = 25e-6  # per peer of each all-to-all call (NCCL send/recv pairs)
 COLLECTIVE_EFFICIENCY = 0.134  # TP / CP all-gather, reduce-scatter; gradient all-reduce
 PP_EXCHANGE_S = 17.8e-3  # per pipeline exchange: the executor synchronises, then waits for the host's launches
 MAIN_GRAD_BYTES = {"bf16-true": 10, "bf16-mixed": 24, "32-true": 8}  # per parameter and micro-batch
+# the experts' fused wgrad (bf16-true, fp32 main grads): its time over the bf16-output GEMM, in bytes per parameter at
+# the sustained bandwidth; bench_grouped_wgrad measured 5.9 on later micro-batches and 2.4 on a step's first (qwen3 fc1)
+MAIN_GRAD_FUSED_EXPERT_BYTES = 6
 ADAM_BYTES = 34  # fused AdamW on fp32 main params + moments (28) and the bf16 write-back (6), per parameter
 ADAM_BF16_MOMENTS_BYTES = 61  # measured 61.3 vs 34.2 ms: each bucket's bf16 state is upcast and rounded back
 CPU_ADAM_PARAMS_S = {None: 2.5e9, "bf16": 0.55e9}  # torch's fused CPU AdamW, 16 cores (issue 17 runs)

@@ -22,6 +22,7 @@ class Settings:
     optimizer_cpu_offload: float = 0.0
     recompute: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()  # ActivationOffload modules
+    expert_wgrad_fusion: bool = True  # the experts' wgrad adds into the fp32 main grads (moe_fold's default on CUDA)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

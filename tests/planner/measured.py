@@ -19,6 +19,10 @@ QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **BEFORE))
 QWEN8 = ("qwen3-30b-a3b", dict(num_layers=8, vocab_size=32768, **BEFORE))
 MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000, **BEFORE))
 MIX4 = ("mixtral-8x7b", dict(num_layers=4, vocab_size=32000, **BEFORE))
+NOW_QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768))
+NOW_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000))
+NOW_DS2 = ("deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=32))
+FUSED = dict(expert_wgrad_fusion=True)  # rows without it predate the experts' fused wgrad (see predict)
 
 
 def deepseek2(experts: int) -> tuple:
@@ -121,6 +125,14 @@ RUNS = [
     Run("h100-issue18", "qwen3 4L", QWEN4, H1, 1, "", 2, 2, 207.0, 52.44),
     Run("h100-issue18", "qwen3 4L", QWEN4, H1, 1, "", 2, 2, 190.7, 51.94, dict(recompute=("moe_act", "layernorm"))),
     Run("h100-issue18", "qwen3 4L", QWEN4, H1, 1, "", 2, 2, 194.2, 51.44, dict(offload=("expert_fc1",))),
+    # One H100, the experts' wgrad fused into the main grads against the dense linears only (third session of
+    # 2026-11-25: the weighted Triton SwiGLU, ModelConfig's defaults now)
+    Run("h100-wgrad", "qwen3 4L", NOW_QWEN4, H1, 1, "", 2, 2, 239.1, 50.69, FUSED),
+    Run("h100-wgrad", "qwen3 4L", NOW_QWEN4, H1, 1, "", 2, 2, 220.6, 50.69),
+    Run("h100-wgrad", "mixtral 2L", NOW_MIX2, H1, 1, "", 1, 4, 375.2, 56.60, FUSED),
+    Run("h100-wgrad", "mixtral 2L", NOW_MIX2, H1, 1, "", 1, 4, 355.4, 56.60),
+    Run("h100-wgrad", "deepseek-v3 2L, 32 experts", NOW_DS2, H1, 1, "", 1, 4, 424.6, 50.64, FUSED),
+    Run("h100-wgrad", "deepseek-v3 2L, 32 experts", NOW_DS2, H1, 1, "", 1, 4, 417.4, 50.64),
 ]
 
 
@@ -140,7 +152,9 @@ def predict(run: Run) -> tuple[float, float, str]:
     model, s = ModelShape(cfg, run.seq), run.sizes()
     c = Candidate(run.gpus, s["tp"], s["cp"], s["pp"], s["vpp"], s["ep"], s["etp"], run.mb, run.m)
     # the dispatcher is not part of the cost model
-    settings = Settings(**{k: v for k, v in run.options.items() if k != "dispatcher"})
+    # rows without the option predate the experts' fused wgrad (the sessions of 2026-11-23 to the second of 11-25)
+    settings = Settings(**{"expert_wgrad_fusion": False,
+                           **{k: v for k, v in run.options.items() if k != "dispatcher"}})
     t = step_time(model, c, settings, gpu_kind(run.gpu))
     tokens = run.mb * run.m * c.dp * run.seq
     tflops = training_flops_per_token(cfg, run.seq) * tokens / t.seconds / run.gpus / 1e12
