@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 OVR = dict(seq_length=256, hidden_size=512, num_layers=3, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=1024,
            moe_ffn_hidden_size=512, num_experts=8, topk=2, vocab_size=512, z_loss_coeff=1e-3, first_k_dense=1,
-           shared_expert_ffn_size=512, load_balancing="global_aux_loss", score_function="sigmoid", expert_bias=True)
+           shared_expert_ffn_size=512, load_balancing="global_aux_loss", score_function="sigmoid", expert_bias=True,
+           qk_norm=True)  # "layernorm" recompute then also rebuilds the rotated q and k (Qwen3)
 OFFLOAD_ALL = ["attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
 
 

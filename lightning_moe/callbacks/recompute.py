@@ -4,7 +4,8 @@
 Two kinds of module, with Megatron's names:
 
 * cheap, memory-heavy pieces whose outputs are rebuilt in backward instead of kept (``saved_tensors.py``):
-  ``core_attn`` (attention's output), ``layernorm`` (the two pre-norms' outputs), ``moe_act`` (the experts' SwiGLU
+  ``core_attn`` (attention's output), ``layernorm`` (the two pre-norms' outputs and, with Qwen3's q/k norms, their
+  rotated outputs, which attention keeps as q and k: Megatron's ``layernorm`` covers the pre-norms only), ``moe_act`` (the experts' SwiGLU
   activation), ``mla_up_proj`` (MLA's q, k and v from their latents);
 * whole modules recomputed with ``torch.utils.checkpoint`` (non-reentrant), keeping only their inputs:
   ``shared_experts``, ``mlp`` (dense FFN), ``moe`` (the MoE layer, its dispatch communication included) and ``full``
@@ -142,10 +143,13 @@ class Recompute(L.Callback):
             if rebuilt:
                 policy.wrap_block(block)
 
-    @staticmethod
-    def _rebuilt(block) -> list[tuple[str, nn.Module]]:
+    def _rebuilt(self, block) -> list[tuple[str, nn.Module]]:
         out = [("layernorm", block.attn_norm), ("layernorm", block.ffn_norm),
                ("core_attn", block.attn.core_attn)]
+        if getattr(block.attn, "norm_rotate", None) is not None and "core_attn" not in self.modules:
+            # the q/k norms' outputs, rotated, are what attention keeps of q and k; a recomputed core_attn keeps
+            # them as its inputs already, so rebuilding them as well would free nothing
+            out.append(("layernorm", block.attn.norm_rotate))
         if hasattr(block.attn, "up_proj"):
             out.append(("mla_up_proj", block.attn.up_proj))
         if block.is_moe:

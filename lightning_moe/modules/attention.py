@@ -90,6 +90,18 @@ class CoreAttention(nn.Module):
                                           scale=scale, mask=mask)
 
 
+class NormRotate(nn.Module):
+    """q and k normalised per head (Qwen3's q/k norms), then rotated: what attention keeps of them. A module so that
+    ``Recompute(["layernorm"])`` can rebuild its outputs in backward from its inputs, which the norms keep anyway, as
+    it rebuilds the pre-norms' outputs. No parameters: the norms stay the attention's (their names are the
+    checkpoints')."""
+
+    def forward(self, q_BSHDh: torch.Tensor, k_BSGDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_norm: nn.Module, k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        q_BSHDh, k_BSGDh = q_norm(q_BSHDh), k_norm(k_BSGDh)
+        return apply_rope_bshd(q_BSHDh, cos, sin), apply_rope_bshd(k_BSGDh, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
@@ -107,6 +119,7 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):  # shared by all heads, each rank sees only its own heads
             if norm is not None:
                 mark_grad_sum_over_tp(norm, ctx)
+        self.norm_rotate = NormRotate() if cfg.qk_norm else None
         self.rope = RotaryCache(Dh, cfg.rope_theta, cfg.seq_length)
         self.core_attn = CoreAttention(ctx)
 
@@ -119,10 +132,11 @@ class Attention(nn.Module):
         q_BSHDh = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSGDh = self.wk(x_BSD).view(B, S, self.n_kv, self.head_dim)
         v_BSGDh = self.wv(x_BSD).view(B, S, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q_BSHDh, k_BSGDh = self.q_norm(q_BSHDh), self.k_norm(k_BSGDh)
         cos, sin = self.rope(positions_S, S * self.ctx.cp)
-        q_BSHDh, k_BSGDh = apply_rope_bshd(q_BSHDh, cos, sin), apply_rope_bshd(k_BSGDh, cos, sin)
+        if self.norm_rotate is not None:
+            q_BSHDh, k_BSGDh = self.norm_rotate(q_BSHDh, k_BSGDh, cos, sin, self.q_norm, self.k_norm)
+        else:
+            q_BSHDh, k_BSGDh = apply_rope_bshd(q_BSHDh, cos, sin), apply_rope_bshd(k_BSGDh, cos, sin)
         o_BHSDh = self.core_attn(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2),
                                  mask=mask)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

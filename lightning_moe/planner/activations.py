@@ -15,7 +15,7 @@ once per TP group and, under ETP, every row of its ETP group:
     dense MLP   its (gathered) input, [gate | up] and the SwiGLU output
 
 ``moe_act`` recompute drops the SwiGLU output, ``layernorm`` the two norm outputs (docs/PERFORMANCE.md measured
-both); checkpointed modules (``moe``, ``mlp``, ``shared_experts``, ``full``) keep their input only and rebuild one
+both) and, with q/k norms, the rotated q and k (those of this rank's tokens: not the gathered k under CP); checkpointed modules (``moe``, ``mlp``, ``shared_experts``, ``full``) keep their input only and rebuild one
 layer's worth in backward (``transient``).
 """
 
@@ -90,7 +90,12 @@ def layer_bytes(cfg: ModelConfig, layer: int, settings: Settings, tp: int = 1, c
         gone.discard("attn_norm_out")
     checkpointed = {t for m in settings.recompute if m in ("moe", "mlp", "shared_experts") for t in RECOMPUTED[m]}
     gone |= {t for m in settings.offload for t in OFFLOADED.get(m, ())}
-    kept = sum(v for t, v in terms.items() if t not in gone)
+    k_rotated = 0.0  # the q/k norms' rotated k, which attention keeps (not under CP: there the gathered k)
+    if cfg.qk_norm and cfg.attention_type != "mla" and "layernorm" in settings.recompute \
+            and "core_attn" not in settings.recompute:  # a recomputed core_attn keeps q and k as its inputs
+        k_rotated = terms["kv"] / 2 if cp == 1 and "kv" not in gone else 0.0
+        gone.add("q")
+    kept = sum(v for t, v in terms.items() if t not in gone) - k_rotated
     return kept, sum(v for t, v in terms.items() if t in checkpointed)
 
 

@@ -23,6 +23,7 @@ GQA = dict(seq_length=32, num_layers=3, hidden_size=32, num_attention_heads=4, n
 # scaled copy of q, which mla_up_proj could not free)
 MLA = dict(GQA, attention_type="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
            v_head_dim=16, num_kv_heads=4)
+QK = dict(GQA, qk_norm=True)  # Qwen3's q/k norms: "layernorm" also rebuilds their rotated outputs (attention's q, k)
 
 
 class _Record(L.Callback):
@@ -60,7 +61,8 @@ def tokens(tmp_path_factory):
     (GQA, [["core_attn"], ["layernorm"], ["moe_act"], ["shared_experts"], ["mlp"], ["moe"], ["full"],
            ["core_attn", "layernorm", "moe_act", "shared_experts", "mlp"]]),
     (MLA, [["mla_up_proj"], ["mla_up_proj", "core_attn", "layernorm"], ["full"]]),
-], ids=["gqa", "mla"])
+    (QK, [["layernorm"], ["layernorm", "core_attn", "moe_act"]]),
+], ids=["gqa", "mla", "qk_norm"])
 def test_recompute_is_bit_identical(tmp_path, tokens, model, settings):
     ref = _fit(tokens, str(tmp_path), model)
     for modules in settings:
@@ -125,7 +127,10 @@ def _match(held: dict, *patterns) -> int:
     (GQA, ["core_attn"], ("core_attn",)),
     (MLA, ["mla_up_proj"], ("up_proj", "wkv_b")),  # v is a view of wkv_b's output: freeing v frees it
     (GQA, ["moe_act", "layernorm", "core_attn"], ("experts.act", "attn_norm", "ffn_norm", "core_attn")),
-], ids=["moe_act", "layernorm", "core_attn", "mla_up_proj", "combined"])
+    (QK, ["layernorm"], ("attn_norm", "ffn_norm", "norm_rotate")),
+    # a recomputed core_attn keeps its inputs, the rotated q and k: those stay, and are not claimed
+    (QK, ["layernorm", "core_attn"], ("attn_norm", "ffn_norm", "core_attn")),
+], ids=["moe_act", "layernorm", "core_attn", "mla_up_proj", "combined", "qk_norm", "qk_norm_core_attn"])
 def test_rebuilt_modules_free_their_outputs(model, modules, freed):
     base, _ = _outputs_held(_lm(model), None)
     held, stats = _outputs_held(_lm(model), modules)

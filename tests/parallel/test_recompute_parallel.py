@@ -12,7 +12,9 @@ from tests.parallel.parity import make_tokens
 MODEL = dict(seq_length=32, num_layers=4, hidden_size=32, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
              moe_ffn_hidden_size=32, num_experts=8, topk=2, first_k_dense=1, shared_expert_ffn_size=32,
              score_function="sigmoid", expert_bias=True, bias_update_rate=1e-2, z_loss_coeff=1e-3)
-SETTINGS = [["core_attn", "layernorm", "moe_act", "shared_experts", "mlp"], ["moe"], ["full"]]
+# the Qwen3 q/k norms: "layernorm" without "core_attn" also rebuilds their rotated outputs (attention's q and k)
+SETTINGS = [["core_attn", "layernorm", "moe_act", "shared_experts", "mlp"], ["layernorm", "moe_act"], ["moe"],
+            ["full"]]
 
 
 def _worker(rank, world, tokens, root, strategy_kw, model):
@@ -44,8 +46,9 @@ def _worker(rank, world, tokens, root, strategy_kw, model):
 
 
 @pytest.mark.parametrize("world,strategy_kw,model", [
-    (4, dict(tensor_parallel_size=2, expert_parallel_size=2), dict(MODEL, load_balancing="global_aux_loss")),
-    (2, dict(context_parallel_size=2), dict(MODEL, load_balancing="global_aux_loss")),
+    (4, dict(tensor_parallel_size=2, expert_parallel_size=2), dict(MODEL, load_balancing="global_aux_loss",
+                                                                   qk_norm=True)),
+    (2, dict(context_parallel_size=2), dict(MODEL, load_balancing="global_aux_loss", qk_norm=True)),
     # interleaved 1F1B over 4 micro-batches: the router's replays of the global aux-loss window come back in order
     (2, dict(pipeline_parallel_size=2, virtual_pipeline_size=2, num_microbatches=4),
      dict(MODEL, load_balancing="global_aux_loss")),

@@ -9,11 +9,12 @@ import torch
 
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.transformer import MoETransformer
-from lightning_moe.planner.activations import layer_terms
+from lightning_moe.planner.activations import layer_bytes, layer_terms
 from lightning_moe.planner.candidate import pipeline_shape
 from lightning_moe.planner.kernels import GROUPED_GEMM_MEASURED, grouped_gemm_efficiency
 from lightning_moe.planner.params import model_params
 from lightning_moe.planner.search import uneven_split
+from lightning_moe.planner.settings import Settings
 from lightning_moe.strategy.parallel_context import GROUP_NAMES, ParallelContext
 from lightning_moe.strategy.pipeline.partition import partition_layers
 from lightning_moe.strategy.pipeline.schedules import build_schedule, simulate
@@ -52,6 +53,24 @@ def test_activation_terms_are_what_the_recompute_and_offload_runs_measured():
     # under TP2 with sequence parallelism the routed rows halve, the gathered attention input does not
     tp2 = layer_terms(cfg, 0, tp=2)
     assert tp2["expert_fc1"] == terms["expert_fc1"] / 2 and tp2["attn_norm_out"] == terms["attn_norm_out"]
+
+
+def test_layernorm_recompute_also_drops_the_rotated_q_and_k_of_qk_norm_models():
+    """Qwen3: the two norm outputs (64 MiB at 2 x 4096 tokens), q (64 MiB) and k (8 MiB) after the q/k norms and RoPE;
+    under CP only q (the kept k is the gathered one); with core_attn recomputed q and k stay as its inputs."""
+    cfg, tokens = ModelConfig.from_preset("qwen3-30b-a3b", num_layers=4, vocab_size=32768), 2 * 4096
+
+    def dropped(cp=1, *modules):
+        return (layer_bytes(cfg, 0, Settings(), cp=cp)[0]
+                - layer_bytes(cfg, 0, Settings(recompute=("layernorm", *modules)), cp=cp)[0]) * tokens
+
+    assert dropped() == (64 + 64 + 8) * MIB
+    assert dropped(2) == (64 + 64) * MIB
+    core_attn = layer_terms(cfg, 0)["attn_out"] * tokens
+    assert dropped(1, "core_attn") == 64 * MIB + core_attn
+    mixtral = ModelConfig.from_preset("mixtral-8x7b", num_layers=2)  # no q/k norms: the pre-norms' outputs only
+    assert (layer_bytes(mixtral, 0, Settings())[0] - layer_bytes(mixtral, 0, Settings(recompute=("layernorm",)))[0]
+            ) == 2 * 2 * mixtral.hidden_size
 
 
 @pytest.mark.parametrize("shape", sorted(GROUPED_GEMM_MEASURED))
