@@ -269,6 +269,10 @@ def run_one(args, preset: str) -> dict:
         overrides["probs_in_experts"] = False
     if args.no_swiglu_fusion:
         overrides["swiglu_fusion"] = False
+    if args.no_rope_fusion:
+        overrides["rope_fusion"] = False
+    if args.no_cross_entropy_fusion:
+        overrides["cross_entropy_fusion"] = False
     cfg = ModelConfig.from_preset(preset, **overrides)
     if cfg.vocab_size > 65535:
         raise SystemExit(f"error: vocab {cfg.vocab_size} does not fit the uint16 token file; pass --vocab")
@@ -382,7 +386,7 @@ def run_one(args, preset: str) -> dict:
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
            "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
                             else "dense+experts"),
-           "nvfp4": args.nvfp4,
+           "rope_fusion": cfg.rope_fusion, "cross_entropy_fusion": cfg.cross_entropy_fusion, "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,
            **rec, "tokens_per_sec": tps, "flops_per_token": fpt, "flops_source": fsrc,
@@ -426,6 +430,8 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--overlap-moe-comm"] if args.overlap_moe_comm else []
         cmd += ["--probs-in-combine"] if args.probs_in_combine else []
         cmd += ["--no-swiglu-fusion"] if args.no_swiglu_fusion else []
+        cmd += ["--no-rope-fusion"] if args.no_rope_fusion else []
+        cmd += ["--no-cross-entropy-fusion"] if args.no_cross_entropy_fusion else []
         cmd += ["--nvfp4"] if args.nvfp4 else []
         cmd += ["--smoke"] if args.smoke else []
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # stderr passes through
@@ -491,6 +497,10 @@ def main(argv=None) -> dict:
     p.add_argument("--probs-in-combine", action="store_true",
                    help="ModelConfig.probs_in_experts=False: the combine weights the expert outputs (the old way)")
     p.add_argument("--no-swiglu-fusion", action="store_true", help="ModelConfig.swiglu_fusion=False (torch SwiGLU)")
+    p.add_argument("--no-rope-fusion", action="store_true",
+                   help="ModelConfig.rope_fusion=False (torch RoPE and q/k norms)")
+    p.add_argument("--no-cross-entropy-fusion", action="store_true",
+                   help="ModelConfig.cross_entropy_fusion=False (F.cross_entropy of the float32 logits)")
     p.add_argument("--overlap-moe-comm", action="store_true",
                    help="MoEFoldStrategy(overlap_moe_comm=True): merged forward-backward of micro-batches (needs "
                         "--microbatches >= 2 and EP or ETP)")

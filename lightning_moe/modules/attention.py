@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_moe.modules import kernels
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.context_parallel import context_parallel_attention
 from lightning_moe.modules.document_mask import Mask
@@ -90,16 +91,51 @@ class CoreAttention(nn.Module):
                                           scale=scale, mask=mask)
 
 
+class _NormRope(torch.autograd.Function):
+    """The Triton RoPE (after the per-head RMSNorm when ``w_Dh`` is given; ``triton_rope.py``), keeping its input,
+    the norm's rstd per row and the tables: what the norm and RoPE keep in torch, less the norm's output."""
+
+    @staticmethod
+    def forward(ctx, x, w_Dh, cos, sin, eps, tk):
+        out, rstd = tk.forward(x, w_Dh, cos, sin, eps)
+        ctx.save_for_backward(x, w_Dh, cos, sin, rstd)
+        ctx.tk = tk
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w_Dh, cos, sin, rstd = ctx.saved_tensors
+        dx, dw = ctx.tk.backward(g, x, w_Dh, cos, sin, rstd)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None, None
+
+
+def rotate(x_BSHDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: nn.RMSNorm | None = None,
+           fused: bool = True) -> torch.Tensor:
+    """``apply_rope_bshd(norm(x))`` (without ``norm``: RoPE alone); ``fused``: one Triton pass each way where the
+    kernel runs (CUDA), else the torch ops, the reference."""
+    tk = kernels.load("triton_rope", x_BSHDh, fused)
+    if tk is None:
+        return apply_rope_bshd(x_BSHDh if norm is None else norm(x_BSHDh), cos, sin)
+    w = None if norm is None else norm.weight
+    eps = 0.0 if norm is None else (norm.eps if norm.eps is not None else torch.finfo(x_BSHDh.dtype).eps)
+    if torch.is_grad_enabled() and (x_BSHDh.requires_grad or (w is not None and w.requires_grad)):
+        return _NormRope.apply(x_BSHDh, w, cos, sin, eps, tk)
+    return tk.forward(x_BSHDh, w, cos, sin, eps)[0]
+
+
 class NormRotate(nn.Module):
     """q and k normalised per head (Qwen3's q/k norms), then rotated: what attention keeps of them. A module so that
     ``Recompute(["layernorm"])`` can rebuild its outputs in backward from its inputs, which the norms keep anyway, as
     it rebuilds the pre-norms' outputs. No parameters: the norms stay the attention's (their names are the
     checkpoints')."""
 
+    def __init__(self, fused: bool = True):
+        super().__init__()
+        self.fused = fused
+
     def forward(self, q_BSHDh: torch.Tensor, k_BSGDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                q_norm: nn.Module, k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        q_BSHDh, k_BSGDh = q_norm(q_BSHDh), k_norm(k_BSGDh)
-        return apply_rope_bshd(q_BSHDh, cos, sin), apply_rope_bshd(k_BSGDh, cos, sin)
+                q_norm: nn.RMSNorm, k_norm: nn.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate(q_BSHDh, cos, sin, q_norm, self.fused), rotate(k_BSGDh, cos, sin, k_norm, self.fused)
 
 
 class Attention(nn.Module):
@@ -119,7 +155,7 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):  # shared by all heads, each rank sees only its own heads
             if norm is not None:
                 mark_grad_sum_over_tp(norm, ctx)
-        self.norm_rotate = NormRotate() if cfg.qk_norm else None
+        self.norm_rotate = NormRotate(cfg.rope_fusion) if cfg.qk_norm else None
         self.rope = RotaryCache(Dh, cfg.rope_theta, cfg.seq_length)
         self.core_attn = CoreAttention(ctx)
 
@@ -136,7 +172,8 @@ class Attention(nn.Module):
         if self.norm_rotate is not None:
             q_BSHDh, k_BSGDh = self.norm_rotate(q_BSHDh, k_BSGDh, cos, sin, self.q_norm, self.k_norm)
         else:
-            q_BSHDh, k_BSGDh = apply_rope_bshd(q_BSHDh, cos, sin), apply_rope_bshd(k_BSGDh, cos, sin)
+            fused = self.cfg.rope_fusion
+            q_BSHDh, k_BSGDh = rotate(q_BSHDh, cos, sin, fused=fused), rotate(k_BSGDh, cos, sin, fused=fused)
         o_BHSDh = self.core_attn(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2),
                                  mask=mask)
         return self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

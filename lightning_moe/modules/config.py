@@ -87,6 +87,11 @@ class ModelConfig:
     router_fusion: bool = True  # scores, top-k, gates, counts, loss partial sums: modules/fused_router.py
     permute_fusion: bool = True  # expert order by count + prefix sum, no argsort: modules/expert_order.py
     swiglu_fusion: bool = True  # (weighted) SwiGLU in one pass forward and one backward (Megatron's --bias-swiglu-fusion)
+    # RoPE in one pass forward and one backward, with the q/k norms folded in (Qwen3): Megatron's --apply-rope-fusion
+    rope_fusion: bool = True
+    # the LM loss in one pass over the logits forward and one backward, in their dtype, with no float32 copy of them
+    # (Megatron's --cross-entropy-loss-fusion); under TP over each vocab shard, as the unfused path
+    cross_entropy_fusion: bool = True
     # the router probabilities weight each expert row after the activation, before the second GEMM (Megatron's
     # weighted SwiGLU), so the combine only sums: it keeps no expert output for the probabilities' gradient (one
     # activation of T*K*D per layer less). False: the combine weights the outputs (the probabilities' gradient is

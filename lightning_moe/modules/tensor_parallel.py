@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.modules import wgrad_fusion
+from lightning_moe.modules import kernels, wgrad_fusion
 from lightning_moe.modules.init import fill_normal_, shard
 from lightning_moe.strategy.comm import all_gather, reduce_scatter
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -282,16 +282,48 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad_NV * (grad_N * valid_N).unsqueeze(-1), None, None, None, None
 
 
+class _FusedCE(torch.autograd.Function):
+    """Cross-entropy of (this rank's vocab shard of) the logits with the Triton kernels (``triton_cross_entropy.py``):
+    one pass over the logits forward and one backward, keeping the logits themselves and the log-sum-exp per row.
+    Under TP the shards' (N,) partial results are combined with two all-reduces."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, target_N, vocab_start, group, ignore_index, tk):
+        max_N, sum_N, tgt_N = tk.partials(logits_NV, target_N, vocab_start, ignore_index)
+        if group is not None:
+            global_max_N = max_N.clone()
+            dist.all_reduce(global_max_N, op=dist.ReduceOp.MAX, group=group)
+            both = torch.stack([tgt_N, sum_N * torch.exp(max_N - global_max_N)])
+            dist.all_reduce(both, group=group)  # the target's logit comes from the one shard that holds it
+            tgt_N, sum_N, max_N = both[0], both[1], global_max_N
+        lse_N = sum_N.log() + max_N
+        valid_N = target_N != ignore_index
+        ctx.save_for_backward(logits_NV, target_N, lse_N, valid_N)
+        ctx.vocab_start, ctx.tk = vocab_start, tk
+        return (lse_N - tgt_N) * valid_N
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        logits_NV, target_N, lse_N, valid_N = ctx.saved_tensors
+        scale_N = (grad_N * valid_N).float()
+        return ctx.tk.grad(logits_NV, target_N, lse_N, scale_N, ctx.vocab_start), None, None, None, None, None
+
+
 def vocab_parallel_cross_entropy(logits_NV: torch.Tensor, target_N: torch.Tensor, ctx: ParallelContext,
-                                 reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
+                                 reduction: str = "mean", ignore_index: int = -100, fused: bool = False) -> torch.Tensor:
     """``F.cross_entropy`` of the full-vocabulary logits, given this rank's vocab shard (fp32 math). Targets equal
     to ``ignore_index`` count for nothing, as in ``F.cross_entropy``; targets outside the vocabulary are not
-    checked under TP (that would need a host sync)."""
+    checked under TP or with ``fused`` (that would need a host sync). ``fused``: the Triton kernels where they run
+    (CUDA; ``ModelConfig.cross_entropy_fusion``), which never make a float32 copy of the logits."""
     group = ctx.group("tp")
-    if group is None:
+    tk = kernels.load("triton_cross_entropy", logits_NV, fused)
+    if group is None and tk is None:
         return F.cross_entropy(logits_NV.float(), target_N, reduction=reduction, ignore_index=ignore_index)
-    vocab_start = ctx.rank("tp") * logits_NV.shape[-1]
-    loss_N = _VocabParallelCE.apply(logits_NV, target_N, vocab_start, group, ignore_index)
+    vocab_start = ctx.rank("tp") * logits_NV.shape[-1] if group is not None else 0
+    if tk is not None:
+        loss_N = _FusedCE.apply(logits_NV, target_N, vocab_start, group, ignore_index, tk)
+    else:
+        loss_N = _VocabParallelCE.apply(logits_NV, target_N, vocab_start, group, ignore_index)
     if reduction == "mean":  # over the targets that count (NaN when none does, as F.cross_entropy)
         return loss_N.sum() / (target_N != ignore_index).sum()
     if reduction == "sum":

@@ -247,13 +247,16 @@ class MoETransformer(nn.Module):
         cp, rank = self.ctx.cp, self.ctx.rank("cp")
         if document_ids_BS is None:
             labels_BS = zigzag_shard(labels_BS, cp, rank)
-            return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
+            return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx,
+                                                fused=self.cfg.cross_entropy_fusion)
         if cp > 1:
             labels_BS = labels_BS.gather(1, packed_zigzag_index(document_ids_BS, cp, rank))
         ranks = self.ctx.size("dp_cp")
         if ranks == 1:
-            return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx)
-        total = vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx, reduction="sum")
+            return vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx,
+                                                fused=self.cfg.cross_entropy_fusion)
+        total = vocab_parallel_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), self.ctx, reduction="sum",
+                                             fused=self.cfg.cross_entropy_fusion)
         count = (labels_BS != IGNORE).sum().to(total.dtype)
         self.ctx.all_reduce_(count, "dp_cp")  # a count: no gradient to carry
         return total * ranks / count

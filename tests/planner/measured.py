@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+# every run predates ModelConfig.cross_entropy_fusion: the loss made float32 copies of the logits
+UNFUSED_LOSS = dict(cross_entropy_fusion=False)
 # every run below predates ModelConfig.probs_in_experts: the combine weighted the expert outputs and kept them
-BEFORE = dict(probs_in_experts=False)
+BEFORE = dict(probs_in_experts=False, **UNFUSED_LOSS)
 QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **BEFORE))
 QWEN8 = ("qwen3-30b-a3b", dict(num_layers=8, vocab_size=32768, **BEFORE))
 MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000, **BEFORE))
 MIX4 = ("mixtral-8x7b", dict(num_layers=4, vocab_size=32000, **BEFORE))
-NOW_QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768))
-NOW_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000))
-NOW_DS2 = ("deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=32))
+NOW_QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **UNFUSED_LOSS))
+NOW_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000, **UNFUSED_LOSS))
+NOW_DS2 = ("deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=32, **UNFUSED_LOSS))
 FUSED = dict(expert_wgrad_fusion=True)  # rows without it predate the experts' fused wgrad (see predict)
 
 

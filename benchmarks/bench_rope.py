@@ -1,0 +1,62 @@
+"""RoPE of q and k, after the per-head RMSNorm where the model has one (Qwen3), forward + backward: the Triton kernel
+(``ModelConfig.rope_fusion``, ``triton_rope.py``) against the torch ops (``attention.rotate(..., fused=False)``).
+
+The limit is the bytes the fused passes must move (forward: read x, write out; backward: read the gradient and, with
+the norm, x; write dx) at the bandwidth of a device-to-device copy measured in the same run. Prints JSON.
+
+    python benchmarks/bench_rope.py --shapes qwen3,mixtral
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+from common import emit, env_info, log, time_fn
+from torch import nn
+
+# name: (B, S, query heads, kv heads, head dim, q/k norms) of the model benchmarks' micro-batches
+SHAPES = {"qwen3": (2, 4096, 32, 4, 128, True), "mixtral": (1, 4096, 32, 8, 128, False)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="qwen3,mixtral")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from lightning_moe.modules.attention import RotaryCache, rotate
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    big = torch.empty(2**28, device=dev, dtype=torch.uint8)  # 256 MiB: the copy that sets the bandwidth
+    copy_ms = time_fn(lambda: big.clone(), dev, args.iters, 3)["median_ms"]
+    copy_bw = 2 * big.numel() / copy_ms / 1e9  # TB/s: read + write
+    records = []
+    for name in args.shapes.split(","):
+        B, S, H, G, Dh, has_norm = SHAPES[name]
+        cos, sin = RotaryCache(Dh, 1e6, S)(torch.arange(S, device=dev), S)
+        xs = [torch.randn(B, S, n, Dh, device=dev, dtype=dt, requires_grad=True) for n in (H, G)]
+        gs = [torch.randn_like(x) for x in xs]
+        norms = [nn.RMSNorm(Dh, eps=1e-6, device=dev, dtype=dt) if has_norm else None for _ in xs]
+
+        def step(fused):
+            for x, g, norm in zip(xs, gs, norms):
+                rotate(x, cos, sin, norm, fused).backward(g)
+
+        grads = xs + [n.weight for n in norms if n is not None]
+        t = {f: time_fn(lambda f=f: step(f), dev, args.iters, 3, grad_to_none=grads)["median_ms"]
+             for f in (False, True)}
+        elems = sum(x.numel() for x in xs)
+        moved = elems * 2 * (2 + (3 if has_norm else 2))  # bf16: forward 2 passes, backward 3 (2 without the norm)
+        limit_ms = moved / copy_bw / 1e9
+        rec = {"shape": name, "B": B, "S": S, "heads": H, "kv_heads": G, "head_dim": Dh, "qk_norm": has_norm,
+               "torch_ms": t[False], "fused_ms": t[True], "speedup": t[False] / t[True], "limit_ms": limit_ms,
+               "fused_over_limit": t[True] / limit_ms, "copy_tb_s": copy_bw}
+        log(f"{name}: torch {t[False]:.3f} ms -> fused {t[True]:.3f} ms (x{rec['speedup']:.2f}); copy-bandwidth "
+            f"limit {limit_ms:.3f} ms ({copy_bw:.2f} TB/s)")
+        records.append(rec)
+    emit({"benchmark": "bench_rope", "env": env_info(dev), "records": records}, args.out)
+
+
+if __name__ == "__main__":
+    main()
