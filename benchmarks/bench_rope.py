@@ -52,6 +52,15 @@ def main() -> None:
         rec = {"shape": name, "B": B, "S": S, "heads": H, "kv_heads": G, "head_dim": Dh, "qk_norm": has_norm,
                "torch_ms": t[False], "fused_ms": t[True], "speedup": t[False] / t[True], "limit_ms": limit_ms,
                "fused_over_limit": t[True] / limit_ms, "copy_tb_s": copy_bw}
+        for fused in (False, True):  # where the time goes: the device time per kernel and step, microseconds
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step(fused)
+                torch.cuda.synchronize()
+            kernels = {e.key[:60]: round(getattr(e, "device_time_total", 0) / 5, 1) for e in prof.key_averages()
+                       if getattr(e, "device_time_total", 0) > 0}
+            rec["kernels_us_fused" if fused else "kernels_us_torch"] = dict(
+                sorted(kernels.items(), key=lambda kv: -kv[1])[:10])
         log(f"{name}: torch {t[False]:.3f} ms -> fused {t[True]:.3f} ms (x{rec['speedup']:.2f}); copy-bandwidth "
             f"limit {limit_ms:.3f} ms ({copy_bw:.2f} TB/s)")
         records.append(rec)

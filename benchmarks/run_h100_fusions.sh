@@ -40,4 +40,11 @@ models)
   model qwen3_none qwen3-30b-a3b --batch 2 --accumulate 2 --no-cross-entropy-fusion --no-rope-fusion
   model mixtral mixtral-8x7b --batch 1 --accumulate 4
   model mixtral_none mixtral-8x7b --batch 1 --accumulate 4 --no-cross-entropy-fusion --no-rope-fusion ;;
+tuned)  # the autotuned RoPE kernels: their tests, where the time goes, and the two models with both fusions
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/modules/test_triton_rope.py > "$OUT/tests.log" 2>&1
+  echo "rope tests: $(tail -1 "$OUT/tests.log")"; grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head
+  timeout 120 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" 2>&1 >/dev/null | grep -v Warning
+  python3 -c "import json; [print(r['shape'], r['kernels_us_fused']) for r in json.load(open('$OUT/rope.json'))['records']]"
+  model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2
+  model mixtral mixtral-8x7b --batch 1 --accumulate 4 ;;
 esac

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_moe.modules.kernels import interpreting
+
 
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, R, heads, pos_rows, eps,
@@ -84,7 +86,20 @@ def _bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, rstd_ptr, dx_ptr, dw_ptr,
     tl.store(dx_ptr + base + HALF, d2.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-BLOCK_R = 32  # rows (head vectors) per program
+BLOCK_R = 16  # rows (head vectors) per program of the backward: fixes the order of the weight gradient's sum
+
+
+def _config(rows: int, warps: int) -> triton.Config:
+    return triton.Config({"BLOCK_R": rows}, num_warps=warps)
+
+
+# tuned per head dim, norm or not, and head count (q and k differ): the forward's choice never changes its results;
+# the backward's rows per program stay at BLOCK_R, so that its weight gradient sums in the same order whatever is
+# chosen (a run-to-run timing difference must not change the numbers)
+_fwd = triton.autotune(configs=[_config(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4)],
+                       key=["HALF", "HAS_NORM", "heads"])(_fwd_kernel)
+_bwd = triton.autotune(configs=[_config(BLOCK_R, w) for w in (1, 2, 4, 8)],
+                       key=["HALF", "HAS_NORM", "heads"])(_bwd_kernel)
 
 
 def _rows(x: torch.Tensor, cos: torch.Tensor):
@@ -104,11 +119,13 @@ def forward(x: torch.Tensor, w: Optional[torch.Tensor], cos: torch.Tensor, sin: 
     out = torch.empty_like(x_RD)
     rstd = torch.empty(R, device=x.device, dtype=torch.float32) if w is not None else None
     if R:
-        half = Dh // 2
-        _fwd_kernel[(triton.cdiv(R, BLOCK_R),)](
-            x_RD, w if w is not None else x_RD, cos_PD, sin_PD, out, rstd if rstd is not None else out, R, heads,
-            cos_PD.shape[0], eps, HALF=half, HAS_NORM=w is not None, BLOCK_R=BLOCK_R,
-            BLOCK_H=triton.next_power_of_2(half), num_warps=4)
+        half, args = Dh // 2, (x_RD, w if w is not None else x_RD, cos_PD, sin_PD, out,
+                               rstd if rstd is not None else out, R, heads, cos_PD.shape[0], eps)
+        meta = dict(HALF=half, HAS_NORM=w is not None, BLOCK_H=triton.next_power_of_2(half))
+        if interpreting():  # one config: the autotuner would time each
+            _fwd_kernel[(triton.cdiv(R, BLOCK_R),)](*args, BLOCK_R=BLOCK_R, **meta)
+        else:
+            _fwd[lambda m: (triton.cdiv(R, m["BLOCK_R"]),)](*args, **meta)
     return out.view(x.shape), rstd
 
 
@@ -123,9 +140,11 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], cos: t
     nprog = triton.cdiv(R, BLOCK_R)
     dw = torch.empty(nprog, Dh, device=x.device, dtype=torch.float32) if w is not None else None
     if R:
-        half = Dh // 2
-        _bwd_kernel[(nprog,)](
-            g_RD, x_RD, w if w is not None else x_RD, cos_PD, sin_PD, rstd if rstd is not None else dx, dx,
-            dw if dw is not None else dx, R, heads, cos_PD.shape[0], HALF=half, HAS_NORM=w is not None,
-            BLOCK_R=BLOCK_R, BLOCK_H=triton.next_power_of_2(half), num_warps=4)
+        args = (g_RD, x_RD, w if w is not None else x_RD, cos_PD, sin_PD, rstd if rstd is not None else dx, dx,
+                dw if dw is not None else dx, R, heads, cos_PD.shape[0])
+        meta = dict(HALF=Dh // 2, HAS_NORM=w is not None, BLOCK_H=triton.next_power_of_2(Dh // 2))
+        if interpreting():
+            _bwd_kernel[(nprog,)](*args, BLOCK_R=BLOCK_R, **meta)
+        else:
+            _bwd[(nprog,)](*args, **meta)
     return dx.view(x.shape), (dw.sum(0).to(w.dtype) if w is not None else None)
