@@ -88,3 +88,11 @@ def test_scaled_grouped_mm_fused_on_off_identical(M, K, N, L, monkeypatch):
         outs[on] = (y[:v], xg.grad[:v], wg.grad)
     for a, b, name in zip(outs[True], outs[False], ("y", "dx", "dw")):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("M,D,dtype", [(37, 100, torch.bfloat16), (5, 64, torch.float32), (0, 48, torch.bfloat16),
+                                       (131072, 2048, torch.bfloat16)])
+def test_fp8_dispatch_pack_and_unpack_exact(M, D, dtype, monkeypatch):
+    """The FP8 dispatch's packing and unpacking through the kernels: the torch path's bytes and values, bit for bit."""
+    from tests.modules.test_triton_fp8_quant import _check_pack_and_unpack
+    _check_pack_and_unpack(M, D, dtype, monkeypatch, exact_cast=True, device="cuda")

@@ -17,17 +17,27 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_moe.modules import kernels
 from lightning_moe.modules.fp8 import FORMATS, abs_amax, saturate, scale_of
 from lightning_moe.strategy import comm
 
 SCALE_BYTES = 4  # one fp32 scale per row
 
 
+def _kernels(t: torch.Tensor):
+    """The Triton quantization kernels where they run (CUDA), the same bits as the torch code; None: torch."""
+    return kernels.load("triton_fp8_quant", t)
+
+
 def pack(x_ND: torch.Tensor) -> torch.Tensor:
     """Each row in E4M3 (``scale = 448 / amax``, saturated), then the bytes of its fp32 scale: (N, D + 4) uint8."""
-    dtype, fmax = FORMATS["e4m3"]
-    scale_N1 = scale_of(abs_amax(x_ND.detach(), 1), "e4m3")  # an all-zero row (padding) stays zero
-    q_ND = saturate(x_ND.detach(), scale_N1, fmax, dtype)
+    tk = _kernels(x_ND)
+    if tk is not None:  # one pass over the rows instead of torch's amax, scale, multiply, clamp and cast
+        q_ND, scale_N1 = tk.rowwise_quant(x_ND.detach(), "e4m3")
+    else:
+        dtype, fmax = FORMATS["e4m3"]
+        scale_N1 = scale_of(abs_amax(x_ND.detach(), 1), "e4m3")  # an all-zero row (padding) stays zero
+        q_ND = saturate(x_ND.detach(), scale_N1, fmax, dtype)
     scale_N4 = scale_N1.reshape(-1).view(torch.uint8).view(-1, SCALE_BYTES)  # flat first: N = 0 has odd strides
     return torch.cat([q_ND.view(torch.uint8), scale_N4], dim=1)
 
@@ -35,6 +45,9 @@ def pack(x_ND: torch.Tensor) -> torch.Tensor:
 def unpack(packed_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows of ``pack`` dequantized to ``dtype``."""
     D = packed_NB.shape[1] - SCALE_BYTES
+    tk = _kernels(packed_NB)
+    if tk is not None and D % 4 == 0:  # one pass instead of the upcast, the division and the cast
+        return tk.dequant_packed(packed_NB, dtype)
     q_ND = packed_NB[:, :D].view(FORMATS["e4m3"][0])
     scale_N1 = packed_NB[:, D:].contiguous().view(torch.float32)  # a copy: D + 4 need not keep 4-byte alignment
     return (q_ND.float() / scale_N1).to(dtype)

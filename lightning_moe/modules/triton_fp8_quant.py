@@ -6,6 +6,8 @@ grouped_col_amax   amax[e, k] = max over expert e's rows of |x[:, k]|  one read;
 quant_t_padded     q^T in the wgrad layout: expert e's rows at its 16-aligned padded start, transposed to (X, P),
                    zeros in the padding                                one read, one write
 
+dequant_packed     x = q / scale of the FP8 dispatch's packed rows (``fp8_dispatch.unpack``)  one read, one write
+
 The wgrad operand is the last two with the scale (and any amax reduction over ranks) in between. Bit-exactness:
 products are single fp32 multiplies, the scale torch's correctly rounded reciprocal times FMAX, the clamp keeps NaNs as
 torch's does, and the cast rounds to nearest even as torch's does.
@@ -142,6 +144,45 @@ def rowwise_quant(x_MK: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, 
                                                    BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=8,
                                                    enable_fp_fusion=False)  # no FMA: torch's roundings
     return q, s
+
+
+@triton.jit
+def _e4m3_to_f32(bits):
+    """The E4M3 (fn) byte's value, exactly, from integer ops: torch's ``q.float()``. Normals are rebuilt as fp32
+    bits, subnormals are multiples of 2^-9, 0x7F / 0xFF is NaN (the format has no infinities)."""
+    sign, e, m = (bits >> 7) & 1, (bits >> 3) & 15, bits & 7
+    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125 * (1.0 - 2.0 * sign.to(tl.float32))
+    return tl.where((e == 15) & (m == 7), float("nan"), tl.where(e == 0, sub, normal))
+
+
+@triton.jit
+def _dequant_packed_kernel(p_ptr, s_ptr, out_ptr, D, B, S_ROW, BLOCK_D: tl.constexpr):
+    """Row ``row`` of the packed rows (``fp8_dispatch.pack``: D E4M3 bytes, then the fp32 scale at float ``S_ROW``
+    of the float32 view of the row): q / scale, divided as torch divides (correctly rounded), in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(s_ptr + row * (B // 4) + S_ROW)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        mask = offs < D
+        bits = tl.load(p_ptr + row * B + offs, mask=mask, other=0).to(tl.int32)
+        v = tl.math.div_rn(_e4m3_to_f32(bits), tl.zeros((BLOCK_D,), tl.float32) + scale)
+        tl.store(out_ptr + row * D + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequant_packed(packed_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_dispatch.unpack``'s values in one pass: ``(q.float() / scale).to(dtype)`` of each packed row (D E4M3
+    bytes then 4 scale bytes; D a multiple of 4, so that each row's scale is 4-byte aligned)."""
+    N, B = packed_NB.shape
+    D = B - 4
+    if D % 4:
+        raise ValueError(f"dequant_packed: the row's {D} values must be a multiple of 4 bytes")
+    packed_NB = packed_NB.contiguous()
+    out = torch.empty(N, D, device=packed_NB.device, dtype=dtype)
+    if N:
+        _dequant_packed_kernel[(N,)](packed_NB, packed_NB.view(torch.float32), out, D, B, D // 4,
+                                     BLOCK_D=min(4096, triton.next_power_of_2(D)), num_warps=8)
+    return out
 
 
 def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor) -> torch.Tensor:

@@ -118,3 +118,36 @@ def test_wiring_helpers():
                             gid_P, P, "e4m3")
     _same_bytes(q, rq)
     assert torch.equal(s, rs)
+
+
+def _check_pack_and_unpack(M, D, dtype, monkeypatch, exact_cast: bool, device: str = "cpu") -> None:
+    from lightning_moe.modules import fp8_dispatch
+    x = _operand(M, D, dtype, M * D + 3).to(device)
+    fused = fp8_dispatch.pack(x)
+    monkeypatch.setattr(fp8_dispatch, "_kernels", lambda t: None)
+    ref = fp8_dispatch.pack(x)
+    assert fused.shape == ref.shape == (M, D + 4) and torch.equal(fused, ref)
+    if M > 4:  # every E4M3 byte, NaN included, in one row
+        ref[4, :D] = torch.arange(D, dtype=torch.int32, device=device).remainder(256).to(torch.uint8)
+    want = {t: fp8_dispatch.unpack(ref, t) for t in (torch.float32, dtype)}
+    monkeypatch.undo()
+    for t, w in want.items():
+        got = fp8_dispatch.unpack(ref, t)
+        assert got.dtype == w.dtype == t and got.shape == w.shape and torch.equal(got.isnan(), w.isnan())
+        got, w = got.nan_to_num(), w.nan_to_num()
+        if t == torch.float32 or exact_cast:  # decoded from the bits and divided as torch divides: exact
+            assert torch.equal(got, w), (got - w).abs().max()
+        else:  # the interpreter casts float32 to bf16 by truncation, not to nearest: within one ulp
+            torch.testing.assert_close(got.float(), w.float(), rtol=2.0 ** -7, atol=0.0)
+
+
+PACK_CASES = [(37, 100, torch.bfloat16), (9, 2048, torch.bfloat16), (5, 64, torch.float32), (0, 48, torch.bfloat16),
+              (6, 4100, torch.bfloat16)]
+
+
+@inside
+@pytest.mark.parametrize("M,D,dtype", PACK_CASES)
+def test_fp8_dispatch_pack_and_unpack(M, D, dtype, monkeypatch):
+    """``fp8_dispatch.pack`` / ``unpack`` through the kernels (rowwise_quant, dequant_packed) against their torch
+    code: the same packed bytes, and the same dequantized values (E4M3 decoded from its bits, NaN kept)."""
+    _check_pack_and_unpack(M, D, dtype, monkeypatch, exact_cast=False)
