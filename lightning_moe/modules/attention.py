@@ -92,20 +92,21 @@ class CoreAttention(nn.Module):
 
 
 class _NormRope(torch.autograd.Function):
-    """The Triton RoPE (after the per-head RMSNorm when ``w_Dh`` is given; ``triton_rope.py``), keeping its input,
-    the norm's rstd per row and the tables: what the norm and RoPE keep in torch, less the norm's output."""
+    """The Triton RoPE (after the per-head RMSNorm when ``w_Dh`` is given; ``triton_rope.py``), keeping the tables
+    and, with the norm, its input and rstd per row: what the norm and RoPE keep in torch, less the norm's output."""
 
     @staticmethod
     def forward(ctx, x, w_Dh, cos, sin, eps, tk):
         out, rstd = tk.forward(x, w_Dh, cos, sin, eps)
-        ctx.save_for_backward(x, w_Dh, cos, sin, rstd)
-        ctx.tk = tk
+        # RoPE alone needs only the tables: the input stays unkept, as torch's rotation keeps it
+        ctx.save_for_backward(x if w_Dh is not None else None, w_Dh, cos, sin, rstd)
+        ctx.tk, ctx.shape = tk, x.shape
         return out
 
     @staticmethod
     def backward(ctx, g):
         x, w_Dh, cos, sin, rstd = ctx.saved_tensors
-        dx, dw = ctx.tk.backward(g, x, w_Dh, cos, sin, rstd)
+        dx, dw = ctx.tk.backward(g, x, w_Dh, cos, sin, rstd, ctx.shape)
         return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None, None
 
 

@@ -34,7 +34,8 @@ def _fwd_kernel(x_ptr, stride, t_ptr, max_ptr, sum_ptr, tgt_ptr, V, vocab_start,
         s_vec = s_vec * tl.exp(m_vec - safe_m) + tl.exp(x - safe_m)
         m_vec = new_m
     m = tl.max(m_vec, axis=0)
-    s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)  # m is finite: a padding lane adds 0 * 0
+    # a shard whose logits are all -inf sums to 0 (its max stays -inf, and the TP combine scales it away)
+    s = tl.sum(s_vec * tl.exp(m_vec - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     t = tl.load(t_ptr + row)
     local = t - vocab_start
     inside = (local >= 0) & (local < V) & (t != ignore_index)

@@ -7,7 +7,7 @@ whose cos/sin row is ``token % len(cos)`` (shared positions (S, Dh) or each row'
 forward    y = x * rstd * w (rounded to x's dtype, as the norm's output is), out = y * cos + rotate_half(y) * sin
            one pass: reads x, writes out (and rstd, one float per row, for backward)
 backward   dy = g * cos + rotate_half^T(g * sin);  dx = rstd * (dy * w - x_hat * mean(dy * w * x_hat)),
-           dw = sum over rows of dy * x_hat (a float32 partial per program of 32 rows, summed after)
+           dw = sum over rows of dy * x_hat (a float32 partial per program of 16 rows, summed after)
 
 The math runs in float32 and rounds at the norm's output and at the end, where torch rounds after each op: close to
 the torch reference, not bit-identical to it (tests/modules/test_triton_rope.py bounds the difference).
@@ -20,8 +20,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
-from lightning_moe.modules.kernels import interpreting
 
 
 @triton.jit
@@ -86,32 +84,23 @@ def _bwd_kernel(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, rstd_ptr, dx_ptr, dw_ptr,
     tl.store(dx_ptr + base + HALF, d2.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-BLOCK_R = 16  # rows (head vectors) per program of the backward: fixes the order of the weight gradient's sum
-
-
-def _config(rows: int, warps: int) -> triton.Config:
-    return triton.Config({"BLOCK_R": rows}, num_warps=warps)
-
-
-# tuned per head dim, norm or not, and head count (q and k differ): the forward's choice never changes its results;
-# the backward's rows per program stay at BLOCK_R, so that its weight gradient sums in the same order whatever is
-# chosen (a run-to-run timing difference must not change the numbers)
-_fwd = triton.autotune(configs=[_config(r, w) for r in (4, 8, 16, 32) for w in (1, 2, 4)],
-                       key=["HALF", "HAS_NORM", "heads"])(_fwd_kernel)
-_bwd = triton.autotune(configs=[_config(BLOCK_R, w) for w in (1, 2, 4, 8)],
-                       key=["HALF", "HAS_NORM", "heads"])(_bwd_kernel)
+BLOCK_R = 16  # rows (head vectors) per program
+NUM_WARPS = 4
+# Fixed, not autotuned: the row sums (rstd, the norm's backward) and the weight gradient's per-program sum are laid out
+# over threads by the tile shape and the warps, so another config would sum in another order, and a run-to-run
+# timing difference must not change the numbers
 
 
 def _rows(x: torch.Tensor, cos: torch.Tensor):
     Dh, heads = x.shape[-1], x.shape[-2]
     if Dh % 2:
         raise ValueError(f"rope: the head dim must be even, got {Dh}")
-    return x.reshape(-1, Dh), heads, cos.reshape(-1, Dh).contiguous().float()
+    return x.contiguous().view(-1, Dh), heads, cos.reshape(-1, Dh).contiguous().float()
 
 
 def forward(x: torch.Tensor, w: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             eps: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``x``: (..., heads, Dh) contiguous; ``w``: the norm's weight (Dh), or None for RoPE alone; ``cos``/``sin``:
+    """``x``: (..., heads, Dh) (copied when not contiguous); ``w``: the norm's weight (Dh), or None for RoPE alone; ``cos``/``sin``:
     (S, Dh) or (B, S, Dh), float32. Returns the rotated output and the per-row rstd (None without the norm)."""
     x_RD, heads, cos_PD = _rows(x, cos)
     sin_PD = sin.reshape(-1, x.shape[-1]).contiguous().float()
@@ -121,30 +110,29 @@ def forward(x: torch.Tensor, w: Optional[torch.Tensor], cos: torch.Tensor, sin: 
     if R:
         half, args = Dh // 2, (x_RD, w if w is not None else x_RD, cos_PD, sin_PD, out,
                                rstd if rstd is not None else out, R, heads, cos_PD.shape[0], eps)
-        meta = dict(HALF=half, HAS_NORM=w is not None, BLOCK_H=triton.next_power_of_2(half))
-        if interpreting():  # one config: the autotuner would time each
-            _fwd_kernel[(triton.cdiv(R, BLOCK_R),)](*args, BLOCK_R=BLOCK_R, **meta)
-        else:
-            _fwd[lambda m: (triton.cdiv(R, m["BLOCK_R"]),)](*args, **meta)
+        _fwd_kernel[(triton.cdiv(R, BLOCK_R),)](*args, HALF=half, HAS_NORM=w is not None, BLOCK_R=BLOCK_R,
+                                                BLOCK_H=triton.next_power_of_2(half), num_warps=NUM_WARPS)
     return out.view(x.shape), rstd
 
 
-def backward(g: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-             rstd: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The input's gradient and the weight's (None without the norm)."""
-    x_RD, heads, cos_PD = _rows(x, cos)
-    sin_PD = sin.reshape(-1, x.shape[-1]).contiguous().float()
-    R, Dh = x_RD.shape
-    g_RD = g.reshape(R, Dh).contiguous()
-    dx = torch.empty_like(x_RD)
+def backward(g: torch.Tensor, x: Optional[torch.Tensor], w: Optional[torch.Tensor], cos: torch.Tensor,
+             sin: torch.Tensor, rstd: Optional[torch.Tensor],
+             shape: Optional[torch.Size] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The input's gradient and the weight's (None without the norm). Without the norm the input itself is not
+    needed (``x=None``, its ``shape`` given)."""
+    shape = x.shape if x is not None else shape
+    Dh, heads = shape[-1], shape[-2]
+    x_RD = x.contiguous().view(-1, Dh) if x is not None else None
+    cos_PD = cos.reshape(-1, Dh).contiguous().float()
+    sin_PD = sin.reshape(-1, Dh).contiguous().float()
+    g_RD = g.contiguous().view(-1, Dh)
+    R = g_RD.shape[0]
+    dx = torch.empty_like(g_RD)
     nprog = triton.cdiv(R, BLOCK_R)
-    dw = torch.empty(nprog, Dh, device=x.device, dtype=torch.float32) if w is not None else None
+    dw = torch.empty(nprog, Dh, device=g.device, dtype=torch.float32) if w is not None else None
     if R:
-        args = (g_RD, x_RD, w if w is not None else x_RD, cos_PD, sin_PD, rstd if rstd is not None else dx, dx,
-                dw if dw is not None else dx, R, heads, cos_PD.shape[0])
-        meta = dict(HALF=Dh // 2, HAS_NORM=w is not None, BLOCK_H=triton.next_power_of_2(Dh // 2))
-        if interpreting():
-            _bwd_kernel[(nprog,)](*args, BLOCK_R=BLOCK_R, **meta)
-        else:
-            _bwd[(nprog,)](*args, **meta)
-    return dx.view(x.shape), (dw.sum(0).to(w.dtype) if w is not None else None)
+        _bwd_kernel[(nprog,)](g_RD, x_RD if x_RD is not None else g_RD, w if w is not None else g_RD, cos_PD, sin_PD,
+                              rstd if rstd is not None else dx, dx, dw if dw is not None else dx, R, heads,
+                              cos_PD.shape[0], HALF=Dh // 2, HAS_NORM=w is not None, BLOCK_R=BLOCK_R,
+                              BLOCK_H=triton.next_power_of_2(Dh // 2), num_warps=NUM_WARPS)
+    return dx.view(shape), (dw.sum(0).to(w.dtype) if w is not None else None)

@@ -103,9 +103,9 @@ def loss_bytes(cfg: ModelConfig, tp: int = 1) -> float:
     """Per token, on the last stage at the loss: the head's input (gathered under SP), the bf16 logits and their fp32
     copy with the fp32 log-probabilities (``F.cross_entropy``), or under TP the shifted logits and their exp too
     (``_VocabParallelCE``), all alive at once in the forward. The fused loss (``cross_entropy_fusion``, on CUDA)
-    keeps the bf16 logits alone."""
+    keeps the bf16 logits alone, and its backward writes their bf16 gradient while they are alive."""
     if cfg.cross_entropy_fusion:
-        return BF16 * cfg.hidden_size + BF16 * cfg.vocab_size / tp
+        return BF16 * cfg.hidden_size + 2 * BF16 * cfg.vocab_size / tp
     fp32_copies = 2 if tp == 1 else 3
     return BF16 * cfg.hidden_size + (BF16 + fp32_copies * FP32) * cfg.vocab_size / tp
 

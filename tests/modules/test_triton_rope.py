@@ -22,13 +22,13 @@ CASES = [(2, 5, 3, 8, torch.float32, True, False), (1, 7, 4, 16, torch.float32, 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    run_interpreted(__file__, k="interpreted", passed=len(CASES))
+    run_interpreted(__file__, k="interpreted", passed=len(CASES) + 2)
 
 
-def _check(B, S, H, Dh, dtype, norm, per_row, device):
+def _check(B, S, H, Dh, dtype, norm, per_row, device, strided=False):
     from lightning_moe.modules.attention import RotaryCache, rotate
     g = torch.Generator().manual_seed(B * 100 + S * 10 + H + Dh)
-    x = (torch.randn(B, S, H, Dh, generator=g) * 3).to(dtype).to(device)
+    x = (torch.randn(B, S, H, Dh + 2 * strided, generator=g) * 3).to(dtype).to(device)[..., :Dh]
     go = torch.randn(B, S, H, Dh, generator=g).to(dtype).to(device)
     positions = (torch.randint(0, 64, (B, S), generator=g) if per_row else torch.arange(S) + 3).to(device)
     cos, sin = RotaryCache(Dh, 10000.0, 8)(positions, S + 64)  # the table covers every position
@@ -40,10 +40,15 @@ def _check(B, S, H, Dh, dtype, norm, per_row, device):
         rms.to(dtype)
 
     def run(fused):
-        x_ = x.clone().requires_grad_()
+        x_ = x.detach().requires_grad_()  # a view when strided: the kernels copy it
         if rms is not None:
             rms.weight.grad = None
-        out = rotate(x_, cos, sin, rms, fused)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = rotate(x_, cos, sin, rms, fused)
+        if fused and not norm:  # RoPE alone keeps the tables only, as torch's rotation does
+            mine = x_.untyped_storage().data_ptr()
+            assert not [t for t in kept if t.untyped_storage().data_ptr() == mine and x_.numel()]
         out.backward(go)
         return out.detach().float(), x_.grad.float(), (rms.weight.grad.float() if rms is not None else None)
 
@@ -67,6 +72,12 @@ def _check(B, S, H, Dh, dtype, norm, per_row, device):
 @pytest.mark.parametrize("B,S,H,Dh,dtype,norm,per_row", CASES)
 def test_rope_kernel_matches_torch_interpreted(B, S, H, Dh, dtype, norm, per_row):
     _check(B, S, H, Dh, dtype, norm, per_row, "cpu")
+
+
+@pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
+@pytest.mark.parametrize("norm", [True, False])
+def test_rope_kernel_reads_a_strided_input_interpreted(norm):
+    _check(2, 5, 3, 8, torch.float32, norm, False, "cpu", strided=True)
 
 
 @pytest.mark.gpu

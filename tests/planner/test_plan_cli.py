@@ -90,12 +90,12 @@ def test_written_config_parses_with_the_fit_parser(capsys, tmp_path, monkeypatch
      "(the valid layouts have DP = 3); choose a global batch that one of them divides, e.g. 18"),
     (["--model.preset", "tiny", "--gpus", "0"], "gpus must be an integer >= 1, got 0"),
     (["--model.preset", "deepseek-v3", "--gpus", "8"],
-     "the model fits on no layout of 8 x h100-80gb: the smallest peak is 475.1 GiB per GPU (tp=8 cp=1 pp=1 ep=8 "
+     "the model fits on no layout of 8 x h100-80gb: the smallest peak is 475.2 GiB per GPU (tp=8 cp=1 pp=1 ep=8 "
      "etp=1, micro-batch 1, dist-opt, opt-offload 1, recompute full) against 72.8 GiB usable on a h100-80gb; the "
      "weights alone take 157.9 GiB, 85.1 GiB too many"),
     (["--model.preset", "qwen3-30b-a3b", "--model.overrides.num_layers", "2", "--model.overrides.vocab_size", "32768",
       "--gpus", "1", "--seq-length", "524288", "--global-batch-size", "1"],
-     "the activations need 86.1 GiB where 65.1 GiB remain, 21.0 GiB too many"),
+     "the activations need 118.1 GiB where 65.1 GiB remain, 53.0 GiB too many"),
     (["--model.preset", "tiny", "--model.overrides.num_layerz", "3", "--gpus", "1"],
      "unknown fields 'num_layerz' (did you mean 'num_layers'?)"),
     (["--model.preset", "tiny", "--model.overrides", "4", "--gpus", "1"],
