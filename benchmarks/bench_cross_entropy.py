@@ -14,7 +14,7 @@ import argparse
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from common import emit, env_info, log, time_fn
+from common import copy_bandwidth_tb_s, emit, env_info, log, time_fn
 
 # name: (tokens of the model benchmarks' micro-batch, vocabulary)
 SHAPES = {"qwen3": (8192, 151936), "mixtral": (4096, 32000), "qwen3-v32k": (8192, 32768)}
@@ -29,10 +29,7 @@ def main() -> None:
     from lightning_moe.modules.tensor_parallel import vocab_parallel_cross_entropy
     from lightning_moe.strategy.parallel_context import ParallelContext
     dev, ctx = torch.device("cuda"), ParallelContext.single()
-    big = torch.empty(2**28, device=dev, dtype=torch.uint8)
-    copy_ms = time_fn(lambda: big.clone(), dev, args.iters, 3)["median_ms"]
-    copy_bw = 2 * big.numel() / copy_ms / 1e9  # TB/s: read + write
-    del big
+    copy_bw = copy_bandwidth_tb_s(dev, args.iters)
     records = []
     for name in args.shapes.split(","):
         N, V = SHAPES[name]

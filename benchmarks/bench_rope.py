@@ -13,7 +13,7 @@ import argparse
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from common import emit, env_info, log, time_fn
+from common import copy_bandwidth_tb_s, emit, env_info, log, time_fn
 from torch import nn
 
 # name: (B, S, query heads, kv heads, head dim, q/k norms) of the model benchmarks' micro-batches
@@ -28,9 +28,7 @@ def main() -> None:
     args = p.parse_args()
     from lightning_moe.modules.attention import RotaryCache, rotate
     dev, dt = torch.device("cuda"), torch.bfloat16
-    big = torch.empty(2**28, device=dev, dtype=torch.uint8)  # 256 MiB: the copy that sets the bandwidth
-    copy_ms = time_fn(lambda: big.clone(), dev, args.iters, 3)["median_ms"]
-    copy_bw = 2 * big.numel() / copy_ms / 1e9  # TB/s: read + write
+    copy_bw = copy_bandwidth_tb_s(dev, args.iters)
     records = []
     for name in args.shapes.split(","):
         B, S, H, G, Dh, has_norm = SHAPES[name]

@@ -169,6 +169,14 @@ def time_fn(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int
     return out
 
 
+def copy_bandwidth_tb_s(device: torch.device, iters: int = 20) -> float:
+    """The device's memory bandwidth as a device-to-device copy of 256 MiB sees it (read + write), TB/s: the limit of
+    memory-bound kernels, measured in the same run as they are."""
+    big = torch.empty(2**28, device=device, dtype=torch.uint8)
+    ms = time_fn(lambda: big.clone(), device, iters, 3)["median_ms"]
+    return 2 * big.numel() / ms / 1e9
+
+
 def peak_memory(fn: Callable[[], Any], device: torch.device,
                 grad_to_none: Iterable[torch.Tensor] = ()) -> dict[str, Optional[float]]:
     """Peak allocated memory of one call of ``fn`` (GiB), absolute and above what was allocated before it."""

@@ -6,13 +6,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-model() {  # name preset flags...
-  local name=$1 preset=$2; shift 2
-  timeout 170 python3 benchmarks/bench_model.py --preset "$preset" --steps 5 --warmup-steps 2 "$@" \
-    --out "$OUT/m_$name.json" > "$OUT/m_$name.log" 2>&1
-  python3 -c "import json; r=json.load(open('$OUT/m_$name.json'))['records'][0]; print('$name', r['wgrad_fusion'], {k: round(r.get(k), 4) for k in ('tokens_per_sec','tflops_per_gpu','mfu','peak_mem_gib','optimizer_step_ms_median')})" \
-    2>/dev/null || { echo "$name failed"; grep -E "Error|error" "$OUT/m_$name.log" | tail -3 | cut -c1-300; }
-}
+MODEL_FIELDS="wgrad_fusion" KEEP_JSON=1
+. benchmarks/model_row.sh
 case "${1:-tests}" in
 tests)
   for f in tests/modules/test_triton_grouped_wgrad.py tests/test_gpu_wgrad_fusion.py tests/test_gpu.py \
