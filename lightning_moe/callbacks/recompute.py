@@ -5,8 +5,8 @@ Two kinds of module, with Megatron's names:
 
 * cheap, memory-heavy pieces whose outputs are rebuilt in backward instead of kept (``saved_tensors.py``):
   ``core_attn`` (attention's output), ``layernorm`` (the two pre-norms' outputs and, with Qwen3's q/k norms, their
-  rotated outputs, which attention keeps as q and k: Megatron's ``layernorm`` covers the pre-norms only), ``moe_act`` (the experts' SwiGLU
-  activation), ``mla_up_proj`` (MLA's q, k and v from their latents);
+  rotated outputs, which attention keeps as q and k: Megatron's ``layernorm`` covers the pre-norms only),
+  ``moe_act`` (the experts' SwiGLU activation), ``mla_up_proj`` (MLA's q, k and v from their latents);
 * whole modules recomputed with ``torch.utils.checkpoint`` (non-reentrant), keeping only their inputs:
   ``shared_experts``, ``mlp`` (dense FFN), ``moe`` (the MoE layer, its dispatch communication included) and ``full``
   (the block).

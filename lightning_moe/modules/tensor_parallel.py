@@ -310,7 +310,8 @@ class _FusedCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits_NV: torch.Tensor, target_N: torch.Tensor, ctx: ParallelContext,
-                                 reduction: str = "mean", ignore_index: int = -100, fused: bool = False) -> torch.Tensor:
+                                 reduction: str = "mean", ignore_index: int = -100,
+                                 fused: bool = False) -> torch.Tensor:
     """``F.cross_entropy`` of the full-vocabulary logits, given this rank's vocab shard (fp32 math). Targets equal
     to ``ignore_index`` count for nothing, as in ``F.cross_entropy``; targets outside the vocabulary are not
     checked under TP or with ``fused`` (that would need a host sync). ``fused``: the Triton kernels where they run

@@ -100,8 +100,9 @@ def _rows(x: torch.Tensor, cos: torch.Tensor):
 
 def forward(x: torch.Tensor, w: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             eps: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``x``: (..., heads, Dh) (copied when not contiguous); ``w``: the norm's weight (Dh), or None for RoPE alone; ``cos``/``sin``:
-    (S, Dh) or (B, S, Dh), float32. Returns the rotated output and the per-row rstd (None without the norm)."""
+    """``x``: (..., heads, Dh) (copied when not contiguous); ``w``: the norm's weight (Dh), or None for RoPE alone;
+    ``cos``/``sin``: (S, Dh) or (B, S, Dh), float32. Returns the rotated output and the per-row rstd (None without
+    the norm)."""
     x_RD, heads, cos_PD = _rows(x, cos)
     sin_PD = sin.reshape(-1, x.shape[-1]).contiguous().float()
     R, Dh = x_RD.shape

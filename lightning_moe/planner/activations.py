@@ -15,8 +15,9 @@ once per TP group and, under ETP, every row of its ETP group:
     dense MLP   its (gathered) input, [gate | up] and the SwiGLU output
 
 ``moe_act`` recompute drops the SwiGLU output, ``layernorm`` the two norm outputs (docs/PERFORMANCE.md measured
-both) and, with q/k norms, the rotated q and k (those of this rank's tokens: not the gathered k under CP); checkpointed modules (``moe``, ``mlp``, ``shared_experts``, ``full``) keep their input only and rebuild one
-layer's worth in backward (``transient``).
+both) and, with q/k norms, the rotated q and k (those of this rank's tokens: not the gathered k under CP);
+checkpointed modules (``moe``, ``mlp``, ``shared_experts``, ``full``) keep their input only and rebuild one layer's
+worth in backward (``transient``).
 """
 
 from __future__ import annotations
