@@ -21,6 +21,11 @@ ROUTER_S = 1.5e-3  # router forward + backward per MoE layer: latency-bound, ~1.
 PERMUTE_PASSES = 6  # permute + combine (fwd + bwd) move the routed rows ~6 times (0.7 + 0.6 ms at the Qwen3 shape)
 ELEMENTWISE_PASSES = 3.9  # norms, RoPE, SwiGLU, residuals: each kept activation byte is read/written ~4 times
 LOSS_PASSES = 3  # the fp32 loss over the logits (forward, backward)
+# what the fused RoPE saves against torch's (fp32 upcasts, a cat, four multiplies, casts; forward + backward), in
+# passes over q's and k's bf16 bytes at the sustained bandwidth (bench_rope's device times on the H100, in the
+# constants above until then): mixtral 0.87 -> 0.066 ms; qwen3 with its q/k norms folded in >= 2.05 -> 0.19 ms
+ROPE_FUSION_SAVED_PASSES = 50
+QK_NORM_FUSION_SAVED_PASSES = 14
 HOST_LAYER_S = 0.7e-3  # idle gaps while the host launches one layer's forward + backward (attention, norms)
 HOST_MOE_S = 1.1e-3  # more of them in a MoE layer (router, permute: many small kernels)
 HOST_MLA_S = 6.6e-3  # and in MLA attention

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-# every run predates ModelConfig.cross_entropy_fusion: the loss made float32 copies of the logits
-UNFUSED_LOSS = dict(cross_entropy_fusion=False)
+# every run before the fourth session of 2026-11-25 predates ModelConfig.cross_entropy_fusion and rope_fusion: the
+# loss made float32 copies of the logits, and RoPE ran as torch's ops
+UNFUSED_LOSS = dict(cross_entropy_fusion=False, rope_fusion=False)
 # every run below predates ModelConfig.probs_in_experts: the combine weighted the expert outputs and kept them
 BEFORE = dict(probs_in_experts=False, **UNFUSED_LOSS)
 QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **BEFORE))
@@ -24,6 +25,10 @@ MIX4 = ("mixtral-8x7b", dict(num_layers=4, vocab_size=32000, **BEFORE))
 NOW_QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **UNFUSED_LOSS))
 NOW_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000, **UNFUSED_LOSS))
 NOW_DS2 = ("deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=32, **UNFUSED_LOSS))
+FUSED_QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768))  # ModelConfig's fusions all on
+FUSED_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000))
+NEITHER_QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **UNFUSED_LOSS))
+NEITHER_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000, **UNFUSED_LOSS))
 FUSED = dict(expert_wgrad_fusion=True)  # rows without it predate the experts' fused wgrad (see predict)
 
 
@@ -135,6 +140,11 @@ RUNS = [
     Run("h100-wgrad", "mixtral 2L", NOW_MIX2, H1, 1, "", 1, 4, 355.4, 56.60),
     Run("h100-wgrad", "deepseek-v3 2L, 32 experts", NOW_DS2, H1, 1, "", 1, 4, 424.6, 50.64, FUSED),
     Run("h100-wgrad", "deepseek-v3 2L, 32 experts", NOW_DS2, H1, 1, "", 1, 4, 417.4, 50.64),
+    # One H100, the fused RoPE (+ q/k norms) and loss against neither (fourth session of 2026-11-25)
+    Run("h100-fusions", "qwen3 4L", FUSED_QWEN4, H1, 1, "", 2, 2, 269.5, 48.69, FUSED),
+    Run("h100-fusions", "qwen3 4L", NEITHER_QWEN4, H1, 1, "", 2, 2, 235.8, 50.69, FUSED),
+    Run("h100-fusions", "mixtral 2L", FUSED_MIX2, H1, 1, "", 1, 4, 386.2, 56.68, FUSED),
+    Run("h100-fusions", "mixtral 2L", NEITHER_MIX2, H1, 1, "", 1, 4, 362.0, 56.60, FUSED),
 ]
 
 
