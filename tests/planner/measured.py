@@ -141,10 +141,10 @@ RUNS = [
     Run("h100-wgrad", "deepseek-v3 2L, 32 experts", NOW_DS2, H1, 1, "", 1, 4, 424.6, 50.64, FUSED),
     Run("h100-wgrad", "deepseek-v3 2L, 32 experts", NOW_DS2, H1, 1, "", 1, 4, 417.4, 50.64),
     # One H100, the fused RoPE (+ q/k norms) and loss against neither (fourth session of 2026-11-25)
-    Run("h100-fusions", "qwen3 4L", FUSED_QWEN4, H1, 1, "", 2, 2, 269.5, 48.69, FUSED),
-    Run("h100-fusions", "qwen3 4L", NEITHER_QWEN4, H1, 1, "", 2, 2, 235.8, 50.69, FUSED),
-    Run("h100-fusions", "mixtral 2L", FUSED_MIX2, H1, 1, "", 1, 4, 386.2, 56.68, FUSED),
-    Run("h100-fusions", "mixtral 2L", NEITHER_MIX2, H1, 1, "", 1, 4, 362.0, 56.60, FUSED),
+    Run("h100-fusions", "qwen3 4L, RoPE and loss fused", FUSED_QWEN4, H1, 1, "", 2, 2, 269.5, 48.69, FUSED),
+    Run("h100-fusions", "qwen3 4L, neither fused", NEITHER_QWEN4, H1, 1, "", 2, 2, 235.8, 50.69, FUSED),
+    Run("h100-fusions", "mixtral 2L, RoPE and loss fused", FUSED_MIX2, H1, 1, "", 1, 4, 386.2, 56.68, FUSED),
+    Run("h100-fusions", "mixtral 2L, neither fused", NEITHER_MIX2, H1, 1, "", 1, 4, 362.0, 56.60, FUSED),
 ]
 
 
