@@ -25,8 +25,10 @@ SCALE_BYTES = 4  # one fp32 scale per row
 
 
 def _kernels(t: torch.Tensor):
-    """The Triton quantization kernels where they run (CUDA), the same bits as the torch code; None: torch."""
-    return kernels.load("triton_fp8_quant", t)
+    """The Triton quantization kernels where they run (CUDA), the same bits as the torch code; None: torch (also with
+    ``LMOE_FP8_TRITON_QUANT=0``, which keeps every FP8 quantization on torch for comparisons)."""
+    from lightning_moe.modules.fp8_grouped_kernels import FUSED_QUANT
+    return kernels.load("triton_fp8_quant", t, FUSED_QUANT)
 
 
 def pack(x_ND: torch.Tensor) -> torch.Tensor:

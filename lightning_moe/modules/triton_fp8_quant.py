@@ -178,6 +178,8 @@ def dequant_packed(packed_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if D % 4:
         raise ValueError(f"dequant_packed: the row's {D} values must be a multiple of 4 bytes")
     packed_NB = packed_NB.contiguous()
+    if packed_NB.storage_offset() % 4:  # the float32 view below needs 4-byte aligned rows
+        packed_NB = packed_NB.clone()
     out = torch.empty(N, D, device=packed_NB.device, dtype=dtype)
     if N:
         _dequant_packed_kernel[(N,)](packed_NB, packed_NB.view(torch.float32), out, D, B, D // 4,

@@ -1,7 +1,8 @@
 """Triton RoPE, optionally after a per-head RMSNorm (Qwen3's q/k norms): Megatron's ``--apply-rope-fusion``, with the
 norm folded in (``attention.py`` falls back to torch elsewhere).
 
-Rows are head vectors of ``Dh`` (``x`` of (..., heads, Dh), contiguous); row ``r`` belongs to token ``r // heads``,
+Rows are head vectors of ``Dh`` (``x`` of (..., heads, Dh), copied when not contiguous); row ``r`` belongs to token
+``r // heads``,
 whose cos/sin row is ``token % len(cos)`` (shared positions (S, Dh) or each row's own (B * S, Dh)).
 
 forward    y = x * rstd * w (rounded to x's dtype, as the norm's output is), out = y * cos + rotate_half(y) * sin
