@@ -37,13 +37,13 @@ def layer_time(model: ModelShape, moe: bool, c: Candidate, s: Settings, gpu: GPU
     terms = model.terms(moe, c.tp, c.cp, c.etp)
     dense = T / c.tp * (flops["attention_proj"] + (flops["shared_experts"] if moe else flops["dense_mlp"]))
     t = dense / (peak * K.DENSE_GEMM) + T / c.tp * flops["core_attention"] / (peak * K.CORE_ATTENTION)
-    elementwise = K.ELEMENTWISE_PASSES * sum(terms.values()) * T / gpu.hbm_bytes_s
+    t += K.ELEMENTWISE_PASSES * sum(terms.values()) * T / gpu.hbm_bytes_s
     if cfg.rope_fusion and cfg.attention_type != "mla":  # MLA rotates its own slices, unfused
         qk_bytes = BF16 * (cfg.num_attention_heads + cfg.num_kv_heads) * cfg.head_dim / c.tp
         saved = K.ROPE_FUSION_SAVED_PASSES + K.QK_NORM_FUSION_SAVED_PASSES * cfg.qk_norm
-        # part of the elementwise work it stands for: never more than all of it (few hidden units, many heads)
-        elementwise -= min(saved * qk_bytes * T / gpu.hbm_bytes_s, elementwise)
-    t += elementwise
+        # the constants fitted before the fusion carry torch's RoPE in every term above, not in one of them; at most
+        # half of them, so that shapes far from the measured ones (few hidden units, many heads) stay positive
+        t -= min(saved * qk_bytes * T / gpu.hbm_bytes_s, t / 2)
     a2a = 0.0
     if moe:
         rows = cfg.topk * Tm * c.etp  # routed rows this rank computes
