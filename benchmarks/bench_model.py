@@ -226,6 +226,8 @@ def strategy_kwargs(args) -> dict:
         kw["cuda_graphs"] = True
     if args.no_wgrad_fusion:
         kw["gradient_accumulation_fusion"] = False
+    if args.no_fused_optimizer:
+        kw["fused_optimizer_writeback"] = False
     if args.pp > 1 or args.microbatches > 1:
         kw.update(pipeline_parallel_size=args.pp, num_microbatches=args.microbatches)
         if args.vpp:
@@ -386,6 +388,7 @@ def run_one(args, preset: str) -> dict:
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
            "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
                             else "dense+experts"),
+           "fused_optimizer_writeback": getattr(trainer.optimizers[0].step, "__qualname__", "").startswith("FusedAdam"),
            "rope_fusion": cfg.rope_fusion, "cross_entropy_fusion": cfg.cross_entropy_fusion, "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,
@@ -420,6 +423,7 @@ def run_in_subprocess(args, preset: str) -> dict:
                 cmd += [flag, str(value)]
         cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         cmd += ["--no-wgrad-fusion"] if args.no_wgrad_fusion else []
+        cmd += ["--no-fused-optimizer"] if args.no_fused_optimizer else []
         cmd += ["--no-expert-wgrad-fusion"] if args.no_expert_wgrad_fusion else []
         cmd += ["--pack-documents", "--doc-median", str(args.doc_median)] if args.pack_documents else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
@@ -469,6 +473,8 @@ def main(argv=None) -> dict:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="MoEFoldStrategy(cuda_graphs=True): each block's forward and backward as CUDA graphs")
     p.add_argument("--compile-router", action="store_true", help="ModelConfig.compile_router=True")
+    p.add_argument("--no-fused-optimizer", action="store_true",
+                   help="MoEFoldStrategy(fused_optimizer_writeback=False): torch's AdamW, then the bf16 copy")
     p.add_argument("--no-wgrad-fusion", action="store_true",
                    help="MoEFoldStrategy(gradient_accumulation_fusion=False): the unfused baseline")
     p.add_argument("--no-expert-wgrad-fusion", action="store_true",

@@ -54,9 +54,20 @@ class MainParams:
                     mains.append(main)
                 group["params"] = mains
         self._low = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
+        self._copy = self._low  # the pairs copy_to_model writes: those no fused step writes itself
 
     def main_of(self, p: nn.Parameter) -> torch.Tensor:
         return self._main_of[id(p)]
+
+    def low_of(self, opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+        """``{id(main copy): model weight}`` for the low-precision weights that ``opt`` steps."""
+        model_of = {id(m): p for p, m in self._low}
+        return {id(m): model_of[id(m)] for g in opt.param_groups for m in g["params"] if id(m) in model_of}
+
+    def written_by_step(self, mains: Iterable[int]) -> None:
+        """The main copies (ids) whose optimizer step writes the model weight itself (``fused_adam.py``)."""
+        skip = set(mains)
+        self._copy = [(p, m) for p, m in self._copy if id(m) not in skip]
 
     @torch.no_grad()
     def attach_grads(self, had_main_grad: set[int]) -> None:
@@ -67,8 +78,8 @@ class MainParams:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Write the stepped fp32 weights back into the bf16 model weights (round to nearest)."""
-        if self._low:
-            torch._foreach_copy_([p for p, _ in self._low], [m for _, m in self._low])
+        if self._copy:
+            torch._foreach_copy_([p for p, _ in self._copy], [m for _, m in self._copy])
 
     @staticmethod
     def _current(p: torch.Tensor, main: torch.Tensor) -> torch.Tensor:

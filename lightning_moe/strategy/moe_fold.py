@@ -164,8 +164,15 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             dense linears (attention and MLA projections, dense FFN, shared experts, an untied head) and of the experts
             write their fp32 result straight into the main grads, first micro-batch of a step, or add it there
             (cuBLAS's epilogue for the linears, a Triton grouped GEMM's for the experts), so no bf16 gradient is
-            written and read back (``modules/wgrad_fusion.py``, which says what it does not cover and why). None (default): on wherever main grads exist (``precision="bf16-true"``), except inside
-            CUDA graphs. True where it cannot apply is refused.
+            written and read back (``modules/wgrad_fusion.py``, which says what it does not cover and why). None
+            (default): on wherever main grads exist (``precision="bf16-true"``), except inside CUDA graphs. True where
+            it cannot apply is refused.
+        fused_optimizer_writeback: torch's Adam/AdamW on the fp32 main params and the write-back of the bf16 weights in
+            one Triton kernel per parameter (``strategy/fused_adam.py``; Transformer Engine's FusedAdam with master
+            weights): 30 instead of 34 bytes per parameter and step. The optimizer's state, hooks, LR schedulers and
+            checkpoints stay torch's. None (default): on wherever it applies (CUDA, Triton, bf16 weights with fp32
+            main params, torch.optim.Adam/AdamW without amsgrad or a tensor LR, not the sharded optimizer); True
+            where it cannot apply is refused, naming why.
     """
 
     strategy_name = "moe_fold"
@@ -184,7 +191,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  main_params_dtype: Optional[str] = None, exp_avg_dtype: Optional[str] = None,
                  exp_avg_sq_dtype: Optional[str] = None, optimizer_cpu_offload: float = 0.0,
                  skip_nonfinite_steps: Optional[int] = None,
-                 gradient_accumulation_fusion: Optional[bool] = None, accelerator=None,
+                 gradient_accumulation_fusion: Optional[bool] = None,
+                 fused_optimizer_writeback: Optional[bool] = None, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -244,7 +252,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self.bucket_size_mb, self.overlap_grad_sync = bucket_size_mb, overlap_grad_sync
         self.optimizer_options = OptimizerOptions.parse(distributed_optimizer, overlap_param_gather, fp32_main_params,
                                                         main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype,
-                                                        optimizer_cpu_offload, gradient_accumulation_fusion)
+                                                        optimizer_cpu_offload, gradient_accumulation_fusion,
+                                                        fused_optimizer_writeback)
         self.fp32_main_params = self.optimizer_options.main_params_fp32
         self._main_params: Optional[MainParams] = None
         self._sharded: Optional[ShardedOptimizer] = None

@@ -50,17 +50,22 @@ class OptimizerOptions:
     bf16_main_params_asked: bool = False  # main_params_dtype='bf16' given (refused for fp32 weights: it would do nothing)
     # the dense linears' wgrad GEMMs write into the main grads (modules/wgrad_fusion.py); None: wherever it can
     gradient_accumulation_fusion: Optional[bool] = None
+    # Adam(W) and the bf16 write-back of the weights in one kernel (fused_adam.py); None: wherever it can
+    fused_optimizer_writeback: Optional[bool] = None
 
     @classmethod
     def parse(cls, distributed_optimizer, overlap_param_gather, fp32_main_params, main_params_dtype, exp_avg_dtype,
-              exp_avg_sq_dtype, optimizer_cpu_offload, gradient_accumulation_fusion=None) -> "OptimizerOptions":
+              exp_avg_sq_dtype, optimizer_cpu_offload, gradient_accumulation_fusion=None,
+              fused_optimizer_writeback=None) -> "OptimizerOptions":
         for name, v in (("distributed_optimizer", distributed_optimizer),
                         ("overlap_param_gather", overlap_param_gather)):
             if not isinstance(v, bool):
                 raise ValueError(f"MoEFoldStrategy({name}={v!r}): must be True or False")
-        if gradient_accumulation_fusion is not None and not isinstance(gradient_accumulation_fusion, bool):
-            raise ValueError(f"MoEFoldStrategy(gradient_accumulation_fusion={gradient_accumulation_fusion!r}): must be "
-                             "True, False or None (on wherever it applies)")
+        for name, v in (("gradient_accumulation_fusion", gradient_accumulation_fusion),
+                        ("fused_optimizer_writeback", fused_optimizer_writeback)):
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"MoEFoldStrategy({name}={v!r}): must be True, False or None (on wherever it "
+                                 "applies)")
         main = parse_dtype("main_params_dtype", main_params_dtype)
         if main is not None:
             want = main == torch.float32
@@ -71,7 +76,7 @@ class OptimizerOptions:
         avg, avg_sq = parse_dtype("exp_avg_dtype", exp_avg_dtype), parse_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
         return cls(distributed_optimizer, overlap_param_gather, fp32_main_params, avg, avg_sq,
                    parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload), main == torch.bfloat16,
-                   gradient_accumulation_fusion)
+                   gradient_accumulation_fusion, fused_optimizer_writeback)
 
     @property
     def sharded(self) -> bool:

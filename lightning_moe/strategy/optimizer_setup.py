@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_moe.strategy.fused_adam import FusedAdamStep, why_not_fusable
 from lightning_moe.strategy.grad_sync import GradSync
 from lightning_moe.strategy.main_params import MainParams, has_low_precision_params
 from lightning_moe.strategy.optimizer_offload import host_buffer, unregister
@@ -30,6 +31,22 @@ def check_pinned_memory(device: torch.device, fraction: float) -> None:
                            f"gradient and weight copies, which this machine cannot provide: {e}") from e
 
 
+def fuse_steps(optimizers: list, main: Optional[MainParams], asked: Optional[bool], device: torch.device) -> None:
+    """``fused_optimizer_writeback``: each optimizer whose step can also write the bf16 weights gets that step
+    (``fused_adam.py``); True where one cannot is refused, naming why."""
+    if asked is False:
+        return
+    for opt in optimizers:
+        low_of = main.low_of(opt) if main is not None else {}
+        why = why_not_fusable(opt, low_of, device)
+        if why is None:
+            FusedAdamStep(opt, low_of)
+            main.written_by_step(low_of)
+        elif asked:
+            raise ValueError(f"MoEFoldStrategy(fused_optimizer_writeback=True) cannot apply: {why}. Leave it at None "
+                             "(on wherever it applies) or set False")
+
+
 def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: OptimizerOptions,
                           device: torch.device, bucket_mb: float, overlap: bool, cuda_graphs: bool = False
                           ) -> tuple[GradSync, Optional[MainParams], Optional[ShardedOptimizer]]:
@@ -42,8 +59,13 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
                          "(precision='bf16-true'); this model's optimized weights are fp32")
     if not options.sharded:
         main = MainParams(optimizers) if use_main else None
+        fuse_steps(optimizers, main, options.fused_optimizer_writeback, device)
         return GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main,
                         fuse_wgrad=options.fuse_wgrad(bool(use_main), cuda_graphs)), main, None
+    if options.fused_optimizer_writeback:
+        raise ValueError("MoEFoldStrategy(fused_optimizer_writeback=True) is not built for the distributed / "
+                         "precision-aware / offloaded optimizer, which steps flat slices and writes the weights in its "
+                         "own pass; leave it at None there")
     if len(optimizers) != 1:
         raise ValueError(f"MoEFoldStrategy's distributed / precision-aware / offloaded optimizer drives one optimizer, "
                          f"got {len(optimizers)}")

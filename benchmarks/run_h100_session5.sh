@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One H100 (fifth session of 2026-11-25). Part "first": the fixed-tile RoPE kernels' and the FP8 dispatch kernels'
+# GPU tests, then where a step goes now (kernel tables of qwen3 4L, mixtral 2L and deepseek-v3 2L with every fusion).
+# Part "optimizer": the fused AdamW + bf16 write-back (fused_optimizer_writeback): its tests, bench_optimizer.py, and
+# the models with it against without it in the same call.
+# Usage (repo root): OUT=dir bash THIS PART
+set -uo pipefail
+OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+MODEL_FIELDS="fused_optimizer_writeback"
+. benchmarks/model_row.sh
+DS="deepseek-v3 --layers 2 --vocab 32768 --batch 1 --accumulate 4 --first-k-dense 1 --experts 32"
+case "${1:-first}" in
+first)
+  for f in tests/modules/test_triton_rope.py tests/test_gpu_fp8_quant.py; do
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
+    echo "$f: $(tail -1 "$OUT/tests.log")"
+  done
+  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2 --profile "$OUT/p_qwen3.txt"
+  model mixtral mixtral-8x7b --batch 1 --accumulate 4 --profile "$OUT/p_mixtral.txt"
+  model deepseek $DS --profile "$OUT/p_deepseek.txt" ;;
+optimizer)
+  for f in tests/strategy/test_fused_adam.py tests/test_gpu_optimizer.py; do
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
+    echo "$f: $(tail -1 "$OUT/tests.log")"
+  done
+  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  timeout 120 python3 benchmarks/bench_optimizer.py --out "$OUT/optimizer.json" 2>&1 >/dev/null | grep -v Warning
+  model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2
+  model qwen3_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --no-fused-optimizer
+  model mixtral mixtral-8x7b --batch 1 --accumulate 4
+  model mixtral_unfused mixtral-8x7b --batch 1 --accumulate 4 --no-fused-optimizer
+  model deepseek $DS ;;
+esac
