@@ -12,6 +12,7 @@ bf16 weight), 34 for torch's two passes. Prints JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
@@ -55,7 +56,8 @@ def main() -> None:
                     opt.step()
                     torch._foreach_copy_(lows, mains)
             t[fused] = time_fn(step, dev, args.iters, 2)["median_ms"]
-            del opt
+            del opt, step  # the moments: the next run makes its own
+            gc.collect()
             torch.cuda.empty_cache()
         limit = {f: n * (30 if f else 34) / copy_bw / 1e9 for f in (False, True)}
         rec = {"shape": name, "params": n, "torch_ms": t[False], "fused_ms": t[True], "speedup": t[False] / t[True],
@@ -65,6 +67,7 @@ def main() -> None:
             f"(x{rec['speedup']:.3f}); limit {limit[True]:.2f} ms at {copy_bw:.2f} TB/s")
         records.append(rec)
         del lows, mains
+        gc.collect()
         torch.cuda.empty_cache()
     emit({"benchmark": "bench_optimizer", "env": env_info(dev), "records": records}, args.out)
 
