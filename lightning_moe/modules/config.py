@@ -87,7 +87,8 @@ class ModelConfig:
     router_fusion: bool = True  # scores, top-k, gates, counts, loss partial sums: modules/fused_router.py
     permute_fusion: bool = True  # expert order by count + prefix sum, no argsort: modules/expert_order.py
     swiglu_fusion: bool = True  # (weighted) SwiGLU in one pass forward and one backward (Megatron's --bias-swiglu-fusion)
-    # RoPE in one pass forward and one backward, with the q/k norms folded in (Qwen3): Megatron's --apply-rope-fusion
+    # RoPE in one pass forward and one backward, with the q/k norms folded in (Qwen3), and MLA's split, rotation and
+    # cat of its rope heads in one pass each way (Megatron's --apply-rope-fusion, fused_apply_mla_rope_for_q/_kv)
     rope_fusion: bool = True
     # the LM loss in one pass over the logits forward and one backward, in their dtype, with no float32 copy of them
     # (Megatron's --cross-entropy-loss-fusion); under TP over each vocab shard, as the unfused path

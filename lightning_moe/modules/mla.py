@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from lightning_moe.modules import kernels
 from lightning_moe.modules.attention import CoreAttention, RotaryCache, apply_rope_bshd, check_attention_tp
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.document_mask import Mask
@@ -43,6 +44,50 @@ def check_mla_config(cfg: ModelConfig) -> None:
         raise ValueError(f"ModelConfig.qk_rope_head_dim: must be even for RoPE, got {cfg.qk_rope_head_dim}")
 
 
+class _RopeQ(torch.autograd.Function):
+    """``[q_nope | rope(q_rope)]`` in one Triton pass each way (``triton_mla_rope.py``)."""
+
+    @staticmethod
+    def forward(ctx, q_BSHK, nope, cos, sin, tk):
+        ctx.save_for_backward(cos, sin)
+        ctx.nope, ctx.tk = nope, tk
+        return tk.rope_q(q_BSHK, nope, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g_BSHK):
+        cos, sin = ctx.saved_tensors
+        return ctx.tk.rope_q(g_BSHK, ctx.nope, cos, sin, inverse=True), None, None, None, None
+
+
+class _RopeK(torch.autograd.Function):
+    """``[k_nope | rope(k_rope)]`` with the shared rope key broadcast to every head, in one Triton pass."""
+
+    @staticmethod
+    def forward(ctx, k_nope_BSHN, k_rope_BSR, cos, sin, tk):
+        ctx.save_for_backward(cos, sin)
+        ctx.nope, ctx.tk = k_nope_BSHN.shape[-1], tk
+        return tk.rope_k(k_nope_BSHN, k_rope_BSR, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g_BSHK):
+        cos, sin = ctx.saved_tensors
+        return (g_BSHK[..., :ctx.nope], ctx.tk.rope_k_backward(g_BSHK, ctx.nope, cos, sin), None, None, None)
+
+
+def rope_heads(q_BSHK: torch.Tensor, k_nope_BSHN: torch.Tensor, k_rope_BSR: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """q with its rope part rotated, and k = [k_nope | rope(k_rope)] for every head. ``fused``: the Triton kernels
+    where they run (CUDA; ``ModelConfig.rope_fusion``), else torch's split, rotation and cat, the reference."""
+    N, (B, S, H, R) = k_nope_BSHN.shape[-1], (*k_nope_BSHN.shape[:3], k_rope_BSR.shape[-1])
+    tk = kernels.load("triton_mla_rope", q_BSHK, fused)
+    if tk is not None:
+        return _RopeQ.apply(q_BSHK, N, cos, sin, tk), _RopeK.apply(k_nope_BSHN, k_rope_BSR, cos, sin, tk)
+    q_nope_BSHN, q_rope_BSHR = q_BSHK.split([N, R], dim=-1)
+    q_BSHK = torch.cat([q_nope_BSHN, apply_rope_bshd(q_rope_BSHR, cos, sin)], dim=-1)
+    k_rope_BS1R = apply_rope_bshd(k_rope_BSR.unsqueeze(2), cos, sin)
+    return q_BSHK, torch.cat([k_nope_BSHN, k_rope_BS1R.expand(B, S, H, R)], dim=-1)
+
+
 class MLAUpProjection(nn.Module):
     """The up-projections and RoPE, from the latents to the heads' q, k and v: the place that
     ``Recompute(["mla_up_proj"])`` recomputes from the (small) latents instead of keeping q, k and v. No parameters
@@ -59,10 +104,7 @@ class MLAUpProjection(nn.Module):
         kv_BSHX = attn.wkv_b(attn.kv_a_norm(c_BSC)).view(B, S, H, N + V)
         k_nope_BSHN, v_BSHV = kv_BSHX.split([N, V], dim=-1)
         cos, sin = attn.rope(positions_S, S * attn.ctx.cp)
-        q_nope_BSHN, q_rope_BSHR = q_BSHK.split([N, R], dim=-1)
-        q_BSHK = torch.cat([q_nope_BSHN, apply_rope_bshd(q_rope_BSHR, cos, sin)], dim=-1)
-        k_rope_BS1R = apply_rope_bshd(k_rope_BSR.unsqueeze(2), cos, sin)
-        k_BSHK = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(B, S, H, R)], dim=-1)
+        q_BSHK, k_BSHK = rope_heads(q_BSHK, k_nope_BSHN, k_rope_BSR, cos, sin, attn.cfg.rope_fusion)
         return q_BSHK.transpose(1, 2), k_BSHK.transpose(1, 2), v_BSHV.transpose(1, 2)
 
 
