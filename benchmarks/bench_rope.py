@@ -1,5 +1,6 @@
 """RoPE of q and k, after the per-head RMSNorm where the model has one (Qwen3), forward + backward: the Triton kernel
-(``ModelConfig.rope_fusion``, ``triton_rope.py``) against the torch ops (``attention.rotate(..., fused=False)``).
+(``ModelConfig.rope_fusion``, ``triton_rope.py``) against the torch ops (``attention.rotate(..., fused=False)``); for
+MLA (deepseek) the rope heads' split, rotation and cat (``mla.rope_heads``, ``triton_mla_rope.py``).
 
 The limit is the bytes the fused passes must move (forward: read x, write out; backward: read the gradient and, with
 the norm, x; write dx) at the bandwidth of a device-to-device copy measured in the same run. Prints JSON.
@@ -18,11 +19,43 @@ from torch import nn
 
 # name: (B, S, query heads, kv heads, head dim, q/k norms) of the model benchmarks' micro-batches
 SHAPES = {"qwen3": (2, 4096, 32, 4, 128, True), "mixtral": (1, 4096, 32, 8, 128, False)}
+# MLA (B, S, heads, nope, rope, value dim): q's and k's rope heads (mla.rope_heads, triton_mla_rope.py)
+MLA_SHAPES = {"deepseek": (1, 4096, 128, 128, 64, 128)}
+
+
+def mla_record(name: str, dev: torch.device, iters: int, copy_bw: float) -> dict:
+    from lightning_moe.modules.attention import RotaryCache
+    from lightning_moe.modules.mla import rope_heads
+    B, S, H, N, R, V = MLA_SHAPES[name]
+    dt, C = torch.bfloat16, 512
+    cos, sin = RotaryCache(R, 1e4, S)(torch.arange(S, device=dev), S)
+    q = torch.randn(B, S, H * (N + R), device=dev, dtype=dt, requires_grad=True)
+    up = torch.randn(B, S, H * (N + V), device=dev, dtype=dt, requires_grad=True)
+    down = torch.randn(B, S, C + R, device=dev, dtype=dt, requires_grad=True)
+    go = torch.randn(B, S, H, N + R, device=dev, dtype=dt)
+    gv = torch.randn(B, S, H, V, device=dev, dtype=dt)
+
+    def step(fused):
+        k_nope, v = up.view(B, S, H, N + V).split([N, V], dim=-1)
+        q_out, k_out = rope_heads(q.view(B, S, H, N + R), k_nope, down.split([C, R], dim=-1)[1], cos, sin, fused)
+        torch.autograd.backward([q_out, k_out, v], [go, go, gv])
+
+    t = {f: time_fn(lambda f=f: step(f), dev, iters, 3, grad_to_none=[q, up, down])["median_ms"] for f in (False, True)}
+    rows = B * S * H
+    # q: read and write the head vectors each way; k: read the nope part, write the keys forward, read the rope part
+    # backward; the input gradient of the up-projection (nope next to v) is autograd's own cat in both paths
+    moved = 2 * rows * (4 * (N + R) + N + (N + R) + R)
+    limit_ms = moved / copy_bw / 1e9
+    log(f"{name} (MLA): torch {t[False]:.3f} ms -> fused {t[True]:.3f} ms (x{t[False] / t[True]:.2f}); limit "
+        f"{limit_ms:.3f} ms")
+    return {"shape": name, "mla": True, "B": B, "S": S, "heads": H, "nope": N, "rope": R, "torch_ms": t[False],
+            "fused_ms": t[True], "speedup": t[False] / t[True], "limit_ms": limit_ms,
+            "fused_over_limit": t[True] / limit_ms, "copy_tb_s": copy_bw}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="qwen3,mixtral")
+    p.add_argument("--shapes", default="qwen3,mixtral,deepseek")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -31,6 +64,9 @@ def main() -> None:
     copy_bw = copy_bandwidth_tb_s(dev, args.iters)
     records = []
     for name in args.shapes.split(","):
+        if name in MLA_SHAPES:
+            records.append(mla_record(name, dev, args.iters, copy_bw))
+            continue
         B, S, H, G, Dh, has_norm = SHAPES[name]
         cos, sin = RotaryCache(Dh, 1e6, S)(torch.arange(S, device=dev), S)
         xs = [torch.randn(B, S, n, Dh, device=dev, dtype=dt, requires_grad=True) for n in (H, G)]

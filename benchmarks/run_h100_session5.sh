@@ -2,7 +2,8 @@
 # One H100 (fifth session of 2026-11-25). Part "first": the fixed-tile RoPE kernels' and the FP8 dispatch kernels'
 # GPU tests, then where a step goes now (kernel tables of qwen3 4L, mixtral 2L and deepseek-v3 2L with every fusion).
 # Part "optimizer": the fused AdamW + bf16 write-back (fused_optimizer_writeback): its tests, bench_optimizer.py, and
-# the models with it against without it in the same call.
+# the models with it against without it in the same call. Part "mla": the MLA RoPE fusion's tests (and the GPU tests
+# that train with both new defaults), bench_rope / bench_optimizer, deepseek-v3 with and without rope_fusion.
 # Usage (repo root): OUT=dir bash THIS PART
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
@@ -32,4 +33,16 @@ optimizer)
   model mixtral mixtral-8x7b --batch 1 --accumulate 4
   model mixtral_unfused mixtral-8x7b --batch 1 --accumulate 4 --no-fused-optimizer
   model deepseek $DS ;;
+mla)
+  for f in tests/modules/test_triton_mla_rope.py tests/test_gpu_optimizer.py tests/test_gpu_document_mask.py \
+           tests/test_gpu.py; do
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
+    echo "$f: $(tail -1 "$OUT/tests.log")"
+  done
+  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  timeout 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" 2>&1 >/dev/null | grep -v Warning
+  timeout 150 python3 benchmarks/bench_optimizer.py --out "$OUT/optimizer.json" 2>&1 >/dev/null | grep -v Warning
+  MODEL_FIELDS="rope_fusion fused_optimizer_writeback"
+  model deepseek $DS
+  model deepseek_unfused_rope $DS --no-rope-fusion ;;
 esac
