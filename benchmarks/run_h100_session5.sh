@@ -45,4 +45,15 @@ mla)
   MODEL_FIELDS="rope_fusion fused_optimizer_writeback"
   model deepseek $DS
   model deepseek_unfused_rope $DS --no-rope-fusion ;;
+final)
+  for f in tests/test_gpu_activations.py tests/test_gpu_moe_overlap.py tests/test_gpu_fp8.py; do
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
+    echo "$f: $(tail -1 "$OUT/tests.log")"
+  done
+  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  timeout 120 python3 scratch/probe_repeat.py 2>&1 | grep REPEAT
+  model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2 --profile "$OUT/p_qwen3.txt"
+  model qwen3_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --no-fused-optimizer
+  model qwen3_again qwen3-30b-a3b --batch 2 --accumulate 2
+  model mixtral mixtral-8x7b --batch 1 --accumulate 4 ;;
 esac
