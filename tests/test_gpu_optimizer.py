@@ -64,8 +64,9 @@ def _worst(a: dict, b: dict) -> float:
 # in test_gpu.py allows 2e-2 for the same reason); a stale weight or a lost step moves them by far more.
 @pytest.mark.parametrize("kw,tol1,tol6", [
     # one GPU: the same fused AdamW; the gradients reach it through other buffers (flat slices) and differ in the last
-    # bits (two plain runs are bit-identical, the sharded one 3.2e-8 from them after one step, on an H200)
-    (dict(distributed_optimizer=True), 1e-7, 1e-3),
+    # bits (two plain runs are bit-identical, the sharded one 3.2e-8 from them after one step and 0.027 after six, as
+    # bf16 roundings flip and the routing follows them: the offloaded case below drifts as far, 0.025, on an H200)
+    (dict(distributed_optimizer=True), 1e-7, 3e-2),
     (dict(distributed_optimizer=True, optimizer_cpu_offload=0.5), 1e-6, 3e-2),
     (dict(optimizer_cpu_offload=1.0, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"), 1e-4, 5e-2),
 ], ids=["dist", "dist_offload_half", "offload_all_bf16_moments"])

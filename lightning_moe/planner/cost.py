@@ -38,9 +38,13 @@ def layer_time(model: ModelShape, moe: bool, c: Candidate, s: Settings, gpu: GPU
     dense = T / c.tp * (flops["attention_proj"] + (flops["shared_experts"] if moe else flops["dense_mlp"]))
     t = dense / (peak * K.DENSE_GEMM) + T / c.tp * flops["core_attention"] / (peak * K.CORE_ATTENTION)
     t += K.ELEMENTWISE_PASSES * sum(terms.values()) * T / gpu.hbm_bytes_s
-    if cfg.rope_fusion and cfg.attention_type != "mla":  # MLA rotates its own slices, unfused
-        qk_bytes = BF16 * (cfg.num_attention_heads + cfg.num_kv_heads) * cfg.head_dim / c.tp
-        saved = K.ROPE_FUSION_SAVED_PASSES + K.QK_NORM_FUSION_SAVED_PASSES * cfg.qk_norm
+    if cfg.rope_fusion:
+        if cfg.attention_type == "mla":  # the fused rope heads of q and k (mla.rope_heads)
+            qk_bytes = BF16 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) / c.tp
+            saved = K.MLA_ROPE_FUSION_SAVED_PASSES
+        else:
+            qk_bytes = BF16 * (cfg.num_attention_heads + cfg.num_kv_heads) * cfg.head_dim / c.tp
+            saved = K.ROPE_FUSION_SAVED_PASSES + K.QK_NORM_FUSION_SAVED_PASSES * cfg.qk_norm
         # the constants fitted before the fusion carry torch's RoPE in every term above, not in one of them; at most
         # half of them, so that shapes far from the measured ones (few hidden units, many heads) stay positive
         t -= min(saved * qk_bytes * T / gpu.hbm_bytes_s, t / 2)
@@ -113,6 +117,9 @@ def optimizer_time(s: Settings, gpu: GPU, c: Candidate, dense: float, expert: fl
     owned = dense / d_dense + expert / d_expert if s.distributed_optimizer else dense + expert
     per_param = (K.ADAM_BF16_MOMENTS_BYTES if s.moments_dtype == "bf16" else K.ADAM_BYTES) - (
         6 if s.precision != "bf16-true" else 0)  # no bf16 write-back without main params
+    if (s.fused_optimizer_writeback and s.precision == "bf16-true" and s.fp32_main_params and not s.moments_dtype
+            and not s.distributed_optimizer and not s.optimizer_cpu_offload):  # where moe_fold fuses the two passes
+        per_param = K.ADAM_FUSED_WRITEBACK_BYTES
     t = owned * (1 - s.optimizer_cpu_offload) * per_param / gpu.hbm_bytes_s
     t += owned * s.optimizer_cpu_offload / K.CPU_ADAM_PARAMS_S[s.moments_dtype]
     reduce = 0.0

@@ -26,6 +26,9 @@ LOSS_PASSES = 3  # the fp32 loss over the logits (forward, backward)
 # constants above until then): mixtral 0.87 -> 0.066 ms; qwen3 with its q/k norms folded in >= 2.05 -> 0.19 ms
 ROPE_FUSION_SAVED_PASSES = 50
 QK_NORM_FUSION_SAVED_PASSES = 14
+# MLA's fused rope heads against torch's split, rotation and cat of q and k, forward + backward, in passes over q's
+# bf16 bytes (bench_rope, deepseek on the H100: 3.49 -> 1.02 ms at 4096 tokens, 128 heads of 192)
+MLA_ROPE_FUSION_SAVED_PASSES = 32
 HOST_LAYER_S = 0.7e-3  # idle gaps while the host launches one layer's forward + backward (attention, norms)
 HOST_MOE_S = 1.1e-3  # more of them in a MoE layer (router, permute: many small kernels)
 HOST_MLA_S = 6.6e-3  # and in MLA attention
@@ -40,6 +43,9 @@ MAIN_GRAD_BYTES = {"bf16-true": 10, "bf16-mixed": 24, "32-true": 8}  # per param
 # the sustained bandwidth; bench_grouped_wgrad measured 5.9 on later micro-batches and 2.4 on a step's first (qwen3 fc1)
 MAIN_GRAD_FUSED_EXPERT_BYTES = 6
 ADAM_BYTES = 34  # fused AdamW on fp32 main params + moments (28) and the bf16 write-back (6), per parameter
+# the same in one pass (fused_optimizer_writeback): 30 bytes moved, at 2.98 TB/s where the sustained rate above is
+# 2.6 (bench_optimizer, H100: 2.49 B parameters in 25.06 ms, torch's two passes 31.63 ms)
+ADAM_FUSED_WRITEBACK_BYTES = 26
 ADAM_BF16_MOMENTS_BYTES = 61  # measured 61.3 vs 34.2 ms: each bucket's bf16 state is upcast and rounded back
 CPU_ADAM_PARAMS_S = {None: 2.5e9, "bf16": 0.55e9}  # torch's fused CPU AdamW, 16 cores (issue 17 runs)
 PCIE_BYTES_S = 50e9  # host copies (measured ~50 GB/s)

@@ -30,6 +30,11 @@ FUSED_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000))
 NEITHER_QWEN4 = ("qwen3-30b-a3b", dict(num_layers=4, vocab_size=32768, **UNFUSED_LOSS))
 NEITHER_MIX2 = ("mixtral-8x7b", dict(num_layers=2, vocab_size=32000, **UNFUSED_LOSS))
 FUSED = dict(expert_wgrad_fusion=True)  # rows without it predate the experts' fused wgrad (see predict)
+# the fifth session of 2026-11-25: AdamW and the bf16 write-back in one pass (rows without it predate it), and MLA's
+# fused rope heads (deepseek rows before it pin rope_fusion=False)
+FUSED_OPT = dict(FUSED, fused_optimizer_writeback=True)
+FUSED_DS2 = ("deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=32))
+NOROPE_DS2 = ("deepseek-v3", dict(num_layers=2, vocab_size=32768, first_k_dense=1, num_experts=32, rope_fusion=False))
 
 
 def deepseek2(experts: int) -> tuple:
@@ -145,6 +150,14 @@ RUNS = [
     Run("h100-fusions", "qwen3 4L, neither fused", NEITHER_QWEN4, H1, 1, "", 2, 2, 235.8, 50.69, FUSED),
     Run("h100-fusions", "mixtral 2L, RoPE and loss fused", FUSED_MIX2, H1, 1, "", 1, 4, 386.2, 56.68, FUSED),
     Run("h100-fusions", "mixtral 2L, neither fused", NEITHER_MIX2, H1, 1, "", 1, 4, 362.0, 56.60, FUSED),
+    Run("h100-optimizer", "qwen3 4L, AdamW + write-back fused", FUSED_QWEN4, H1, 1, "", 2, 2, 299.1, 48.69, FUSED_OPT),
+    Run("h100-optimizer", "qwen3 4L, AdamW then the copy", FUSED_QWEN4, H1, 1, "", 2, 2, 281.7, 48.69, FUSED),
+    Run("h100-optimizer", "mixtral 2L, AdamW + write-back fused", FUSED_MIX2, H1, 1, "", 1, 4, 407.9, 56.60, FUSED_OPT),
+    Run("h100-optimizer", "mixtral 2L, AdamW then the copy", FUSED_MIX2, H1, 1, "", 1, 4, 395.0, 56.60, FUSED),
+    Run("h100-optimizer", "deepseek-v3 2L (32 experts), MLA rope fused", FUSED_DS2, H1, 1, "", 1, 4, 462.7, 50.64,
+        FUSED_OPT),
+    Run("h100-optimizer", "deepseek-v3 2L (32 experts), MLA rope unfused", NOROPE_DS2, H1, 1, "", 1, 4, 436.9, 50.64,
+        FUSED_OPT),
 ]
 
 
@@ -165,7 +178,8 @@ def predict(run: Run) -> tuple[float, float, str]:
     c = Candidate(run.gpus, s["tp"], s["cp"], s["pp"], s["vpp"], s["ep"], s["etp"], run.mb, run.m)
     # the dispatcher is not part of the cost model
     # rows without the option predate the experts' fused wgrad (the sessions of 2026-11-23 to the second of 11-25)
-    settings = Settings(**{"expert_wgrad_fusion": False,
+    # and the fused optimizer write-back (every session before the fifth of 11-25)
+    settings = Settings(**{"expert_wgrad_fusion": False, "fused_optimizer_writeback": False,
                            **{k: v for k, v in run.options.items() if k != "dispatcher"}})
     t = step_time(model, c, settings, gpu_kind(run.gpu))
     tokens = run.mb * run.m * c.dp * run.seq
