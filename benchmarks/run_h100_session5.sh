@@ -56,4 +56,13 @@ final)
   model qwen3_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --no-fused-optimizer
   model qwen3_again qwen3-30b-a3b --batch 2 --accumulate 2
   model mixtral mixtral-8x7b --batch 1 --accumulate 4 ;;
+sharded)
+  for f in tests/strategy/test_fused_adam.py tests/test_gpu_optimizer.py; do
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
+    echo "$f: $(tail -1 "$OUT/tests.log")"
+  done
+  grep -E "^(E   |FAILED)|steps, worst" "$OUT/tests.log" | cut -c1-300 | head -20
+  model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2
+  model qwen3_dist qwen3-30b-a3b --batch 2 --accumulate 2 --distributed-optimizer
+  model qwen3_dist_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --distributed-optimizer --no-fused-optimizer ;;
 esac

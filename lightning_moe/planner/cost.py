@@ -117,9 +117,8 @@ def optimizer_time(s: Settings, gpu: GPU, c: Candidate, dense: float, expert: fl
     owned = dense / d_dense + expert / d_expert if s.distributed_optimizer else dense + expert
     per_param = (K.ADAM_BF16_MOMENTS_BYTES if s.moments_dtype == "bf16" else K.ADAM_BYTES) - (
         6 if s.precision != "bf16-true" else 0)  # no bf16 write-back without main params
-    if (s.fused_optimizer_writeback and s.precision == "bf16-true" and s.fp32_main_params and not s.moments_dtype
-            and not s.distributed_optimizer and not s.optimizer_cpu_offload):  # where moe_fold fuses the two passes
-        per_param = K.ADAM_FUSED_WRITEBACK_BYTES
+    if s.fused_optimizer_writeback and s.precision == "bf16-true" and s.fp32_main_params and not s.moments_dtype:
+        per_param = K.ADAM_FUSED_WRITEBACK_BYTES  # where moe_fold fuses the two passes (the device part, offloaded)
     t = owned * (1 - s.optimizer_cpu_offload) * per_param / gpu.hbm_bytes_s
     t += owned * s.optimizer_cpu_offload / K.CPU_ADAM_PARAMS_S[s.moments_dtype]
     reduce = 0.0

@@ -23,7 +23,7 @@ class Settings:
     recompute: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()  # ActivationOffload modules
     expert_wgrad_fusion: bool = True  # the experts' wgrad adds into the fp32 main grads (moe_fold's default on CUDA)
-    # AdamW and the bf16 write-back in one pass (moe_fold's default on CUDA with fp32 main params, unsharded)
+    # AdamW and the bf16 write-back in one pass (moe_fold's default on CUDA with fp32 main params and fp32 moments)
     fused_optimizer_writeback: bool = True
 
     def __post_init__(self) -> None:

@@ -4,7 +4,8 @@ that also writes the bf16 model weight (``modules/triton_adam.py``), in place of
 about a tenth of the optimizer's time, which on one GPU is a quarter of a step.
 
 The optimizer stays the user's: its state (keys, dtypes, devices: what its own step would create), its step hooks,
-the LR scheduler's bookkeeping and its checkpoints are torch's. A step whose tensors the kernel cannot take (a
+the LR scheduler's bookkeeping and its checkpoints are torch's. The distributed optimizer (``sharded_optimizer.py``)
+calls ``fused_step`` for its device slices, writing each rank's part of the bf16 weights before their all-gather. A step whose tensors the kernel cannot take (a
 non-contiguous or non-fp32 gradient, state loaded in another dtype) runs torch's own step and copy instead, with a
 warning naming why."""
 
@@ -42,6 +43,52 @@ def why_not_fusable(opt: torch.optim.Optimizer, low_of: dict[int, torch.Tensor],
     return None
 
 
+def step_eligible(opt: torch.optim.Optimizer, low_of: dict[int, torch.Tensor]) -> Optional[str]:
+    """None where every tensor this step touches suits the kernel, else what does not."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            g, st = p.grad, opt.state.get(p)
+            if g is None:
+                continue
+            tensors = [p, g, *(st[k] for k in ("exp_avg", "exp_avg_sq") if st and k in st)]
+            if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device != p.device for t in tensors):
+                return "a parameter, gradient or moment is not a contiguous fp32 tensor on the weight's device"
+            low = low_of.get(id(p))
+            if low is not None and (not low.is_contiguous() or low.numel() != p.numel()):
+                return "a model weight is not contiguous"
+    return None
+
+
+@torch.no_grad()
+def fused_step(opt: torch.optim.Optimizer, low_of: dict[int, torch.Tensor]) -> None:
+    """``opt``'s Adam(W) step over its param groups' tensors that have a gradient, writing ``low_of[id(p)]`` too: its
+    state created as torch's ``Adam._init_group`` creates it, one step-count increment per group, one launch per
+    tensor."""
+    from lightning_moe.modules.triton_adam import adam_step_
+    for group in opt.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        steps = []
+        for p in params:
+            st = opt.state[p]
+            if len(st) == 0:
+                on_device = group["capturable"] or group["fused"]
+                st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                              else torch.tensor(0.0, dtype=torch.float32))
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            steps.append(st["step"])
+        torch._foreach_add_(steps, 1.0)
+        beta1, beta2 = group["betas"]
+        decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+        for p in params:
+            st = opt.state[p]
+            adam_step_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], low_of.get(id(p)), lr=group["lr"],
+                       beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                       decoupled=decoupled, maximize=group["maximize"])
+
+
 class FusedAdamStep:
     """Replaces ``opt.step``: the closure, then per param group the step count and one kernel launch per parameter.
     ``low_of`` maps a main parameter's id to the bf16 model weight the kernel writes."""
@@ -60,20 +107,6 @@ class FusedAdamStep:
             step._wrapped_by_lr_sched = True
         opt.step = step
 
-    def _eligible(self) -> Optional[str]:
-        for group in self.opt.param_groups:
-            for p in group["params"]:
-                g, st = p.grad, self.opt.state.get(p)
-                if g is None:
-                    continue
-                tensors = [p, g, *(st[k] for k in ("exp_avg", "exp_avg_sq") if st and k in st)]
-                if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device != p.device for t in tensors):
-                    return "a parameter, gradient or moment is not a contiguous fp32 tensor on the weight's device"
-                low = self.low_of.get(id(p))
-                if low is not None and (not low.is_contiguous() or low.numel() != p.numel()):
-                    return "a model weight is not contiguous"
-        return None
-
     @torch.no_grad()
     def _step(self, opt: torch.optim.Optimizer, closure=None):
         loss = None
@@ -81,33 +114,11 @@ class FusedAdamStep:
             with torch.enable_grad():
                 loss = closure()
         opt._opt_called = True  # what the LR scheduler's wrapper of the step records
-        why = self._eligible()
-        if why is not None:
+        why = step_eligible(opt, self.low_of)
+        if why is None:
+            fused_step(opt, self.low_of)
+        else:
             self._unfused(why)
-            return loss
-        from lightning_moe.modules.triton_adam import adam_step_
-        for group in opt.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            steps = []
-            for p in params:
-                st = opt.state[p]
-                if len(st) == 0:  # as torch's Adam._init_group creates it
-                    on_device = group["capturable"] or group["fused"]
-                    st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                                  else torch.tensor(0.0, dtype=torch.float32))
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                steps.append(st["step"])
-            torch._foreach_add_(steps, 1.0)
-            beta1, beta2 = group["betas"]
-            decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-            for p in params:
-                st = opt.state[p]
-                adam_step_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], self.low_of.get(id(p)),
-                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], decoupled=decoupled, maximize=group["maximize"])
         return loss
 
     def _unfused(self, why: str) -> None:

@@ -170,9 +170,11 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         fused_optimizer_writeback: torch's Adam/AdamW on the fp32 main params and the write-back of the bf16 weights in
             one Triton kernel per parameter (``strategy/fused_adam.py``; Transformer Engine's FusedAdam with master
             weights): 30 instead of 34 bytes per parameter and step. The optimizer's state, hooks, LR schedulers and
-            checkpoints stay torch's. None (default): on wherever it applies (CUDA, Triton, bf16 weights with fp32
-            main params, torch.optim.Adam/AdamW without amsgrad or a tensor LR, not the sharded optimizer); True
-            where it cannot apply is refused, naming why.
+            checkpoints stay torch's. With the distributed optimizer each rank's device slices write their part of
+            the bf16 weights before the all-gather (not with bf16 moments, nor for the slices stepped on the host).
+            None (default): on wherever it applies (CUDA, Triton, bf16 weights with fp32 main params,
+            torch.optim.Adam/AdamW without amsgrad or a tensor LR); True where it cannot apply is refused, naming
+            why.
     """
 
     strategy_name = "moe_fold"

@@ -62,10 +62,6 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
         fuse_steps(optimizers, main, options.fused_optimizer_writeback, device)
         return GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main,
                         fuse_wgrad=options.fuse_wgrad(bool(use_main), cuda_graphs)), main, None
-    if options.fused_optimizer_writeback:
-        raise ValueError("MoEFoldStrategy(fused_optimizer_writeback=True) is not built for the distributed / "
-                         "precision-aware / offloaded optimizer, which steps flat slices and writes the weights in its "
-                         "own pass; leave it at None there")
     if len(optimizers) != 1:
         raise ValueError(f"MoEFoldStrategy's distributed / precision-aware / offloaded optimizer drives one optimizer, "
                          f"got {len(optimizers)}")
@@ -74,4 +70,24 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
     # flat gradient buffers in the dtype the optimizer steps: fp32 with main params, else the weights' own
     sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=True, shard=options.distributed,
                     grad_dtype=torch.float32 if use_main else None, fuse_wgrad=options.fuse_wgrad(True, cuda_graphs))
-    return sync, None, ShardedOptimizer(module, optimizers[0], sync, ctx, options, bool(use_main), device)
+    sharded = ShardedOptimizer(module, optimizers[0], sync, ctx, options, bool(use_main), device)
+    fuse_sharded(sharded, options.fused_optimizer_writeback, device)
+    return sync, None, sharded
+
+
+def fuse_sharded(sharded: ShardedOptimizer, asked: Optional[bool], device: torch.device) -> None:
+    """``fused_optimizer_writeback`` for the sharded optimizer: its device slices' step also writes their bf16 weights
+    (the host part steps on the CPU as before); True where it cannot apply is refused, naming why."""
+    if asked is False:
+        return
+    low_of = {id(s.tensor): s.weight() for s in sharded.device_slots if not s.is_view}
+    why = why_not_fusable(sharded.opt, low_of, device)
+    if sharded.state_dtypes:
+        why = "the moments are kept in bf16 (exp_avg_dtype / exp_avg_sq_dtype): they are stepped in fp32 copies"
+    elif not sharded.device_slots:
+        why = "the whole optimizer is on the host (optimizer_cpu_offload=1.0)"
+    if why is None:
+        sharded.fuse_writeback = True
+    elif asked:
+        raise ValueError(f"MoEFoldStrategy(fused_optimizer_writeback=True) cannot apply: {why}. Leave it at None "
+                         "(on wherever it applies) or set False")

@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_moe.strategy.comm import all_gather_flat
 from lightning_moe.strategy.flat_shards import owned_ranges, split_for_host
+from lightning_moe.strategy.fused_adam import fused_step, step_eligible
 from lightning_moe.strategy.grad_sync import GradSync, is_expert_param, is_tp_sharded
 from lightning_moe.strategy.main_params import LOW_PRECISION
 from lightning_moe.strategy.optimizer_offload import HostCopies
@@ -133,6 +135,9 @@ class ShardedOptimizer:
         if hasattr(self._orig_step, "_wrapped_by_lr_sched"):  # torch's LR schedulers check that their patch stays
             step._wrapped_by_lr_sched = True
         optimizer.step = step
+        # fused_optimizer_writeback: the device slots' step also writes their bf16 weights (fused_adam.py); set by
+        # optimizer_setup where it applies
+        self.fuse_writeback, self._written, self._warned = False, set(), False
         self._next = 0  # the first bucket the next forward may still have to wait for
         self._hooks = self._register_waits(module) if any(b.gather or b.has_host for b in self.buckets) else []
 
@@ -206,8 +211,9 @@ class ShardedOptimizer:
             for hook in _step_hooks(opt, pre=True) if self._hooks_outside else ():
                 hook(opt, (opt,), {})
             self.host.grads_out()  # after clipping, the compute stream's last work on the gradients
+            self._written = set()
             self._run(self.device_slots, host=False)
-            sep = [s for s in self.device_slots if not s.is_view]
+            sep = [s for s in self.device_slots if not s.is_view and id(s.tensor) not in self._written]
             if sep:
                 torch._foreach_copy_([s.weight() for s in sep], [s.tensor for s in sep])
             if self.host_slots:
@@ -242,7 +248,8 @@ class ShardedOptimizer:
                 for gi, g in enumerate(groups):
                     g["params"] = [s.tensor for s in chunk if s.group == gi]
                 stash = self._upcast(chunk)
-                self._raw_step()
+                if not (self.fuse_writeback and not host and self._fused(chunk)):
+                    self._raw_step()
                 self._downcast(chunk, stash)
         finally:
             for g, (params, fused, foreach) in zip(groups, saved):
@@ -250,6 +257,21 @@ class ShardedOptimizer:
                 for k, v in (("fused", fused), ("foreach", foreach)):
                     if k in g:
                         g[k] = v
+
+    def _fused(self, chunk: list[Slot]) -> bool:
+        """Step ``chunk`` (in the param groups now) with the fused kernel, writing the bf16 weights of the slots with
+        an fp32 copy; False where its tensors do not suit the kernel (torch's step then runs, and the copy)."""
+        low_of = {id(s.tensor): s.weight() for s in chunk if not s.is_view}
+        why = step_eligible(self.opt, low_of)
+        if why is not None:
+            if not self._warned:
+                rank_zero_warn(f"MoEFoldStrategy(fused_optimizer_writeback): {why}; this step runs torch's "
+                               f"{type(self.opt).__name__} and copies the weights")
+                self._warned = True
+            return False
+        fused_step(self.opt, low_of)
+        self._written.update(low_of)
+        return True
 
     def _upcast(self, chunk: list[Slot]) -> list:
         stash = []

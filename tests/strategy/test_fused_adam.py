@@ -5,6 +5,7 @@
   read on the device or given by the host), and the bf16 copy against the fp32 weight's rounding;
 - through the Trainer: the same weights, optimizer state and checkpoint as the unfused step, the LR scheduler and
   the step hooks still see their step;
+- the same for the distributed optimizer's flat slices;
 - where it cannot apply, True is refused naming why and None leaves torch's step.
 
 The kernel runs on CPU under the Triton interpreter in a fresh process (skipped without triton, as in CI), and on CUDA
@@ -32,7 +33,7 @@ BF16_ULP = 2.0 ** -7  # relative spacing of bf16 around a value: the write-back 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    run_interpreted(__file__, k="interpreted", passed=4)  # 3 kernel cases with the step on the device, 1 Trainer
+    run_interpreted(__file__, k="interpreted", passed=6)  # 3 kernel cases, 2 Trainer, 1 on 2 ranks
 
 
 def _kernel_case(cls, wd, maximize, device_step, device):
@@ -85,12 +86,13 @@ class StepCheck:
     (clipped in place, still attached), and records the largest difference. The bf16 weights must be the fp32 ones
     rounded (truncated under the interpreter)."""
 
-    def __new__(cls):
+    def __new__(cls, full: bool = False):
         import lightning as L
 
         class _Check(L.Callback):
             def __init__(self):
-                self.worst, self.steps, self.before = 0.0, 0, None
+                self.worst, self.steps, self.before, self.written = 0.0, 0, None, False
+                self.full, self.full_checked = full, 0
 
             def on_before_optimizer_step(self, trainer, pl_module, optimizer):
                 self.before = [(dict((k, v) for k, v in g.items() if k != "params"),
@@ -100,6 +102,8 @@ class StepCheck:
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 if self.before is None:
                     return
+                sharded = trainer.strategy.sharded_optimizer
+                self.written = self.written or bool(sharded is not None and sharded._written)
                 opt, main = trainer.optimizers[0], trainer.strategy._main_params
                 for (hp, kept), group in zip(self.before, opt.param_groups):
                     ps = [p.clone().cpu().requires_grad_(False) for p, _ in kept]
@@ -115,23 +119,62 @@ class StepCheck:
                         self.worst = max(self.worst, ((now.detach().cpu() - q).abs().max() / scale).item())
                 self.steps += 1
                 self.before = None
-                mains = {id(m): m for m in main.main_params}
-                for p in pl_module.parameters():
-                    m = main.main_of(p)
-                    if m is not p:
-                        assert id(m) in mains
-                        if p.is_cuda:
-                            assert torch.equal(p, m.to(p.dtype))
-                        else:
+                if main is not None:
+                    pairs = [(p, main.main_of(p)) for p in pl_module.parameters() if main.main_of(p) is not p]
+                else:  # the sharded optimizer: each fp32 slice against its slice of the bf16 weight
+                    sharded = trainer.strategy.sharded_optimizer
+                    pairs = [(s.weight(), s.tensor) for s in sharded.device_slots if not s.is_view]
+                assert pairs
+                if main is None and self.full:  # every rank's whole bf16 weights: the owners' fp32 slices, gathered
+                    full = trainer.strategy.sharded_optimizer.full_main_params()
+                    for p in pl_module.parameters():
+                        if p.dtype == torch.bfloat16:
+                            m = full[id(p)].float()
                             assert ((p.float() - m).abs() <= m.abs() * BF16_ULP).all()
+                            self.full_checked += 1
+                for p, m in pairs:
+                    if p.is_cuda:
+                        assert torch.equal(p, m.to(p.dtype))
+                    else:
+                        assert ((p.float() - m).abs() <= m.abs() * BF16_ULP).all()
 
         return _Check()
 
 
-def _trainer_case(tmp_path):
+def _distributed_rank(rank, world, tokens, root):
+    """One of 2 gloo ranks (DP2, EP2, the distributed optimizer) with the fused write-back: every step replayed on
+    this rank's slices, and the gathered bf16 weights the fp32 slices' rounding on every rank."""
+    import lightning as L
+
+    from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
+    check = StepCheck(full=True)
+    model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=32, num_layers=2, hidden_size=32,
+                                                           num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                                                           moe_ffn_hidden_size=32, num_experts=4, topk=2),
+                             lr=1e-2, warmup_steps=1, max_steps=8, log_expert_load=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world, precision="bf16-true", max_steps=3, accumulate_grad_batches=2,
+                        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=root, limit_val_batches=0, callbacks=[check],
+                        strategy=MoEFoldStrategy(expert_parallel_size=2, distributed_optimizer=True,
+                                                 fused_optimizer_writeback=True))
+    trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=32, batch_size=4, seed=3))
+    return {"worst": check.worst, "steps": check.steps, "written": check.written, "full": check.full_checked}
+
+
+@pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
+def test_distributed_two_ranks_interpreted(tmp_path):
+    from tests.parallel.harness import run_ranks
+    from tests.parallel.parity import make_tokens
+    res = run_ranks(_distributed_rank, 2, make_tokens(str(tmp_path / "t.bin")), str(tmp_path / "r"),
+                    out_dir=str(tmp_path))
+    for v in res:
+        assert v["steps"] == 3 and v["written"] and v["full"] > 0 and v["worst"] < 1e-6, v
+
+
+def _trainer_case(tmp_path, **strategy_kw):
     """Through the Trainer (bf16-true, 2 micro-batches, clipping, warmup LR schedule, no decay on norms): each fused
     step equals torch's AdamW replayed on its inputs; the LR scheduler warns of nothing, the step hooks run once per
-    step, and the state has torch's keys."""
+    step, and the state has torch's keys. ``strategy_kw``: e.g. the distributed optimizer (flat slices)."""
     import lightning as L
 
     from tests.strategy.test_main_params import _fit
@@ -147,19 +190,23 @@ def _trainer_case(tmp_path):
     check = StepCheck()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer, model = _fit(tmp_path, 3, callbacks=[Count(), check], fused_optimizer_writeback=True)
+        trainer, model = _fit(tmp_path, 3, callbacks=[Count(), check], fused_optimizer_writeback=True, **strategy_kw)
     assert not [w for w in caught if any(k in str(w.message) for k in ("lr_scheduler", "optimizer.step",
                                                                         "fused_optimizer"))]
     opt = trainer.optimizers[0]
-    assert isinstance(opt.step, type(lambda: 0)) and opt.step.__qualname__.startswith("FusedAdamStep")
+    if strategy_kw.get("distributed_optimizer"):
+        assert trainer.strategy.sharded_optimizer.fuse_writeback and check.written
+    else:
+        assert opt.step.__qualname__.startswith("FusedAdamStep")
     assert check.steps == 3 and check.worst < 1e-6, check.worst
     assert calls == {"pre": 3, "post": 3}
     assert all(sorted(s) == ["exp_avg", "exp_avg_sq", "step"] and s["step"].item() == 3 for s in opt.state.values())
 
 
 @pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
-def test_trainer_steps_match_torch_interpreted(tmp_path):
-    _trainer_case(tmp_path)
+@pytest.mark.parametrize("kw", [{}, dict(distributed_optimizer=True)], ids=["main_params", "distributed"])
+def test_trainer_steps_match_torch_interpreted(tmp_path, kw):
+    _trainer_case(tmp_path, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- where it cannot apply
@@ -195,19 +242,34 @@ def test_option_values_are_checked():
     assert MoEFoldStrategy(fused_optimizer_writeback=False).optimizer_options.fused_optimizer_writeback is False
 
 
-def test_true_with_the_sharded_optimizer_is_refused(tmp_path):
+@pytest.mark.skipif(INSIDE, reason="CPU without the interpreter")
+@pytest.mark.parametrize("kw,why", [(dict(distributed_optimizer=True), "on cpu, not CUDA"),
+                                    (dict(exp_avg_dtype="bf16"), "moments are kept in bf16"),
+                                    (dict(optimizer_cpu_offload=1.0), "whole optimizer is on the host")])
+def test_true_where_the_sharded_optimizer_cannot_fuse_is_refused(tmp_path, kw, why, monkeypatch):
+    from lightning_moe.modules import kernels
     from tests.strategy.test_main_params import _fit
-    with pytest.raises(ValueError, match="fused_optimizer_writeback=True.*not built for the distributed"):
-        _fit(tmp_path, 1, distributed_optimizer=True, fused_optimizer_writeback=True)
+    if "cpu" not in why:  # past the device check, to reach the sharded optimizer's own reasons
+        monkeypatch.setattr(kernels, "interpreting", lambda: True)
+        monkeypatch.setattr(kernels, "load", lambda *a, **k: object())
+    with pytest.raises(ValueError, match=f"fused_optimizer_writeback=True\\) cannot apply: .*{why}"):
+        _fit(tmp_path, 1, fused_optimizer_writeback=True, **kw)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_trainer_steps_match_torch_cuda(tmp_path):
+@pytest.mark.parametrize("kw", [{}, dict(distributed_optimizer=True), dict(distributed_optimizer=True,
+                                                                           optimizer_cpu_offload=0.5)],
+                         ids=["main_params", "distributed", "distributed_half_offloaded"])
+def test_trainer_steps_match_torch_cuda(tmp_path, kw):
     """On the GPU the fused step is the default: each step against torch's AdamW replayed on its inputs, and the bf16
-    weights the fp32 ones rounded to nearest, bit for bit."""
+    weights the fp32 ones rounded to nearest, bit for bit (with the distributed optimizer: the device slices; the
+    host half steps on the CPU)."""
     from tests.test_gpu_optimizer import _fit
-    check = StepCheck()
-    trainer, _ = _fit(tmp_path, steps=4, callbacks=[check])
-    assert trainer.optimizers[0].step.__qualname__.startswith("FusedAdamStep")
+    check = StepCheck(full=bool(kw))
+    trainer, _ = _fit(tmp_path, steps=4, callbacks=[check], **kw)
+    if kw:
+        assert trainer.strategy.sharded_optimizer.fuse_writeback and check.written and check.full_checked
+    else:
+        assert trainer.optimizers[0].step.__qualname__.startswith("FusedAdamStep")
     assert check.steps == 4 and check.worst < 1e-6, check.worst
