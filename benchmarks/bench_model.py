@@ -388,7 +388,8 @@ def run_one(args, preset: str) -> dict:
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
            "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
                             else "dense+experts"),
-           "fused_optimizer_writeback": getattr(trainer.optimizers[0].step, "__qualname__", "").startswith("FusedAdam"),
+           "fused_optimizer_writeback": getattr(trainer.optimizers[0].step, "__qualname__", "").startswith("FusedAdam")
+           or bool(getattr(trainer.strategy.sharded_optimizer, "fuse_writeback", False)),
            "rope_fusion": cfg.rope_fusion, "cross_entropy_fusion": cfg.cross_entropy_fusion, "nvfp4": args.nvfp4,
            "strategy": "MoEFoldStrategy(" + ", ".join(f"{k}={v}" for k, v in strategy_kwargs(args).items()) + ")",
            **counts,

@@ -33,7 +33,7 @@ BF16_ULP = 2.0 ** -7  # relative spacing of bf16 around a value: the write-back 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    run_interpreted(__file__, k="interpreted", passed=6)  # 3 kernel cases, 2 Trainer, 1 on 2 ranks
+    run_interpreted(__file__, k="interpreted", passed=7)  # 3 kernel cases, 2 Trainer, 2 ranks, the fallback
 
 
 def _kernel_case(cls, wd, maximize, device_step, device):
@@ -273,3 +273,22 @@ def test_trainer_steps_match_torch_cuda(tmp_path, kw):
     else:
         assert trainer.optimizers[0].step.__qualname__.startswith("FusedAdamStep")
     assert check.steps == 4 and check.worst < 1e-6, check.worst
+
+
+@pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
+def test_a_step_the_kernel_cannot_take_runs_torchs_interpreted():
+    """A non-contiguous gradient: that step is torch's own AdamW and the copy, with one warning naming why."""
+    from lightning_moe.strategy.fused_adam import FusedAdamStep
+    g = torch.Generator().manual_seed(0)
+    main, ref = torch.randn(6, 5, generator=g), None
+    ref = main.clone()
+    low = main.to(torch.bfloat16)
+    opt = torch.optim.AdamW([main], lr=1e-2, weight_decay=0.1)
+    opt_ref = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+    FusedAdamStep(opt, {id(main): low})
+    ref.grad = torch.randn(5, 6, generator=g).t()
+    main.grad = ref.grad.clone().t().contiguous().t()  # the same values, not contiguous
+    with pytest.warns(UserWarning, match="not a contiguous fp32 tensor"):
+        opt.step()
+    opt_ref.step()
+    assert torch.equal(main, ref) and torch.equal(low, main.to(torch.bfloat16))
