@@ -99,8 +99,8 @@ def count_params(cfg: ModelConfig) -> dict:
 
 # ------------------------------------------------------------------------------------------------ timing callback
 class ProfileSteps(L.Callback):
-    """torch.profiler over two optimizer steps after the timed ones; writes the kernel table (top 60 by CUDA time) and keeps
-    this rank's time breakdown (``common.kernel_breakdown``)."""
+    """torch.profiler over two optimizer steps after the timed ones; writes the kernel table (top 60 by CUDA time) and
+    keeps this rank's time breakdown (``common.kernel_breakdown``)."""
 
     def __init__(self, path: str, start_step: int, gaps: bool = False):
         self.path, self.start, self.prof, self.gaps = path, start_step, None, gaps
@@ -120,7 +120,8 @@ class ProfileSteps(L.Callback):
             self.done = True
             path = self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
             with open(path, "w") as f:
-                f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=70))
+                f.write(self.prof.key_averages().table(sort_by="cuda_time_total", row_limit=60,
+                                                       max_name_column_width=70))
             # where the time went on this rank (compute, exposed communication, idle): gathered into the record
             self.breakdown = kernel_breakdown(profiler_kernels(self.prof))
             if self.gaps:  # who launched the kernel after each idle gap (with_stack names the code)

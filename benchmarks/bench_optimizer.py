@@ -52,7 +52,7 @@ def main() -> None:
                 FusedAdamStep(opt, {id(m): w for m, w in zip(mains, lows)})
                 step = opt.step
             else:
-                def step(opt=opt):
+                def step(opt=opt, lows=lows, mains=mains):
                     opt.step()
                     torch._foreach_copy_(lows, mains)
             t[fused] = time_fn(step, dev, args.iters, 2)["median_ms"]

@@ -5,8 +5,8 @@ the write-back of the bf16 model weight then reads the fp32 weight again (6 more
 weight in registers also stores its bf16 rounding: 30 bytes per parameter, what Transformer Engine's FusedAdam does
 with master weights.
 
-The update is torch's fused Adam, term by term and in the same order (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``),
-in float32 with IEEE division and square root. The bias corrections come from the step count: read on the device
+The update is torch's fused Adam, term by term and in the same order
+(``aten/src/ATen/native/cuda/fused_adam_utils.cuh``), in float32 with IEEE division and square root. The bias corrections come from the step count: read on the device
 (``fused=True`` or ``capturable=True``, no host sync), or given by the host (torch's default, whose step count lives
 on the CPU).
 """
@@ -25,8 +25,8 @@ BLOCK = 2048
 
 @triton.jit
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, low_ptr, step_ptr, n, lr, beta1, beta2, eps, weight_decay, ln_beta1,
-                 ln_beta2, bc1_host, bc2_sqrt_host, DECAY: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 READ_STEP: tl.constexpr, WRITE_LOW: tl.constexpr, BLOCK: tl.constexpr):
+                 ln_beta2, bc1_host, bc2_sqrt_host, DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, READ_STEP: tl.constexpr, WRITE_LOW: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if READ_STEP:  # 1 - beta^step = 1 - exp(step ln beta) in float64, no host sync: as exact as torch's float pow

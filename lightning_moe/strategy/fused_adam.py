@@ -1,13 +1,13 @@
 """``MoEFoldStrategy(fused_optimizer_writeback=...)``: torch's Adam/AdamW stepped by one Triton kernel per parameter
 that also writes the bf16 model weight (``modules/triton_adam.py``), in place of the optimizer's step followed by
-``MainParams.copy_to_model``. Per step that saves reading every fp32 weight a second time: 34 → 30 bytes per parameter,
-about a tenth of the optimizer's time, which on one GPU is a quarter of a step.
+``MainParams.copy_to_model``. Per step that saves reading every fp32 weight a second time: 34 → 30 bytes per
+parameter, about a tenth of the optimizer's time, which on one GPU is a quarter of a step.
 
 The optimizer stays the user's: its state (keys, dtypes, devices: what its own step would create), its step hooks,
 the LR scheduler's bookkeeping and its checkpoints are torch's. The distributed optimizer (``sharded_optimizer.py``)
-calls ``fused_step`` for its device slices, writing each rank's part of the bf16 weights before their all-gather. A step whose tensors the kernel cannot take (a
-non-contiguous or non-fp32 gradient, state loaded in another dtype) runs torch's own step and copy instead, with a
-warning naming why."""
+calls ``fused_step`` for its device slices, writing each rank's part of the bf16 weights before their all-gather.
+A step whose tensors the kernel cannot take (a non-contiguous or non-fp32 gradient, state loaded in another dtype)
+runs torch's own step and copy instead, with a warning naming why."""
 
 from __future__ import annotations
 
