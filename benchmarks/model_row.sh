@@ -18,3 +18,14 @@ print(sys.argv[2], *[r[k] for k in sys.argv[3:]],
 PY
   [ "${KEEP_JSON:-0}" = 1 ] || rm -f "$OUT/m_$name.json" "$OUT/m_$name.log"
 }
+
+# `gpu_tests FILE...` runs each file's `gpu` tests (200 s each) into $OUT/tests.log and prints its summary line, then
+# the first failures.
+gpu_tests() {
+  local f
+  for f in "$@"; do
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
+    echo "$f: $(tail -1 "$OUT/tests.log")"
+  done
+  grep -E "^(E   |FAILED)|steps, worst" "$OUT/tests.log" | cut -c1-300 | head -20
+}

@@ -13,20 +13,12 @@ MODEL_FIELDS="fused_optimizer_writeback"
 DS="deepseek-v3 --layers 2 --vocab 32768 --batch 1 --accumulate 4 --first-k-dense 1 --experts 32"
 case "${1:-first}" in
 first)
-  for f in tests/modules/test_triton_rope.py tests/test_gpu_fp8_quant.py; do
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
-    echo "$f: $(tail -1 "$OUT/tests.log")"
-  done
-  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  gpu_tests tests/modules/test_triton_rope.py tests/test_gpu_fp8_quant.py
   model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2 --profile "$OUT/p_qwen3.txt"
   model mixtral mixtral-8x7b --batch 1 --accumulate 4 --profile "$OUT/p_mixtral.txt"
   model deepseek $DS --profile "$OUT/p_deepseek.txt" ;;
 optimizer)
-  for f in tests/strategy/test_fused_adam.py tests/test_gpu_optimizer.py; do
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
-    echo "$f: $(tail -1 "$OUT/tests.log")"
-  done
-  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  gpu_tests tests/strategy/test_fused_adam.py tests/test_gpu_optimizer.py
   timeout 120 python3 benchmarks/bench_optimizer.py --out "$OUT/optimizer.json" 2>&1 >/dev/null | grep -v Warning
   model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2
   model qwen3_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --no-fused-optimizer
@@ -34,34 +26,21 @@ optimizer)
   model mixtral_unfused mixtral-8x7b --batch 1 --accumulate 4 --no-fused-optimizer
   model deepseek $DS ;;
 mla)
-  for f in tests/modules/test_triton_mla_rope.py tests/test_gpu_optimizer.py tests/test_gpu_document_mask.py \
-           tests/test_gpu.py; do
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
-    echo "$f: $(tail -1 "$OUT/tests.log")"
-  done
-  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  gpu_tests tests/modules/test_triton_mla_rope.py tests/test_gpu_optimizer.py tests/test_gpu_document_mask.py tests/test_gpu.py
   timeout 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" 2>&1 >/dev/null | grep -v Warning
   timeout 150 python3 benchmarks/bench_optimizer.py --out "$OUT/optimizer.json" 2>&1 >/dev/null | grep -v Warning
   MODEL_FIELDS="rope_fusion fused_optimizer_writeback"
   model deepseek $DS
   model deepseek_unfused_rope $DS --no-rope-fusion ;;
 final)
-  for f in tests/test_gpu_activations.py tests/test_gpu_moe_overlap.py tests/test_gpu_fp8.py; do
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
-    echo "$f: $(tail -1 "$OUT/tests.log")"
-  done
-  grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -20
+  gpu_tests tests/test_gpu_activations.py tests/test_gpu_moe_overlap.py tests/test_gpu_fp8.py
   timeout 120 python3 scratch/probe_repeat.py 2>&1 | grep REPEAT
   model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2 --profile "$OUT/p_qwen3.txt"
   model qwen3_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --no-fused-optimizer
   model qwen3_again qwen3-30b-a3b --batch 2 --accumulate 2
   model mixtral mixtral-8x7b --batch 1 --accumulate 4 ;;
 sharded)
-  for f in tests/strategy/test_fused_adam.py tests/test_gpu_optimizer.py; do
-    timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu "$f" >> "$OUT/tests.log" 2>&1
-    echo "$f: $(tail -1 "$OUT/tests.log")"
-  done
-  grep -E "^(E   |FAILED)|steps, worst" "$OUT/tests.log" | cut -c1-300 | head -20
+  gpu_tests tests/strategy/test_fused_adam.py tests/test_gpu_optimizer.py
   model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2
   model qwen3_dist qwen3-30b-a3b --batch 2 --accumulate 2 --distributed-optimizer
   model qwen3_dist_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --distributed-optimizer --no-fused-optimizer ;;
