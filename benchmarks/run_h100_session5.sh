@@ -44,4 +44,8 @@ sharded)
   model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2
   model qwen3_dist qwen3-30b-a3b --batch 2 --accumulate 2 --distributed-optimizer
   model qwen3_dist_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --distributed-optimizer --no-fused-optimizer ;;
+repeat)
+  model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2 --profile "$OUT/p_qwen3.txt"
+  model mixtral mixtral-8x7b --batch 1 --accumulate 4
+  model deepseek $DS ;;
 esac
