@@ -34,7 +34,7 @@ mla)
   model deepseek_unfused_rope $DS --no-rope-fusion ;;
 final)
   gpu_tests tests/test_gpu_activations.py tests/test_gpu_moe_overlap.py tests/test_gpu_fp8.py
-  timeout 120 python3 scratch/probe_repeat.py 2>&1 | grep REPEAT
+  timeout 120 python3 benchmarks/probe_optimizer_repeat.py 2>&1 | grep REPEAT
   model qwen3 qwen3-30b-a3b --batch 2 --accumulate 2 --profile "$OUT/p_qwen3.txt"
   model qwen3_unfused qwen3-30b-a3b --batch 2 --accumulate 2 --no-fused-optimizer
   model qwen3_again qwen3-30b-a3b --batch 2 --accumulate 2
