@@ -89,6 +89,11 @@ def fused_step(opt: torch.optim.Optimizer, low_of: dict[int, torch.Tensor]) -> N
                        decoupled=decoupled, maximize=group["maximize"])
 
 
+def warn_unfused(opt: torch.optim.Optimizer, why: str) -> None:
+    rank_zero_warn(f"MoEFoldStrategy(fused_optimizer_writeback): {why}; this step runs torch's {type(opt).__name__} "
+                   "and copies the weights")
+
+
 class FusedAdamStep:
     """Replaces ``opt.step``: the closure, then per param group the step count and one kernel launch per parameter.
     ``low_of`` maps a main parameter's id to the bf16 model weight the kernel writes."""
@@ -123,8 +128,7 @@ class FusedAdamStep:
 
     def _unfused(self, why: str) -> None:
         if not self._warned:
-            rank_zero_warn(f"MoEFoldStrategy(fused_optimizer_writeback): {why}; this step runs torch's "
-                           f"{type(self.opt).__name__} and copies the weights")
+            warn_unfused(self.opt, why)
             self._warned = True
         if self._raw is not None:
             self._raw(self.opt)

@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_moe.strategy.comm import all_gather_flat
 from lightning_moe.strategy.flat_shards import owned_ranges, split_for_host
-from lightning_moe.strategy.fused_adam import fused_step, step_eligible
+from lightning_moe.strategy.fused_adam import fused_step, step_eligible, warn_unfused
 from lightning_moe.strategy.grad_sync import GradSync, is_expert_param, is_tp_sharded
 from lightning_moe.strategy.main_params import LOW_PRECISION
 from lightning_moe.strategy.optimizer_offload import HostCopies
@@ -265,8 +264,7 @@ class ShardedOptimizer:
         why = step_eligible(self.opt, low_of)
         if why is not None:
             if not self._warned:
-                rank_zero_warn(f"MoEFoldStrategy(fused_optimizer_writeback): {why}; this step runs torch's "
-                               f"{type(self.opt).__name__} and copies the weights")
+                warn_unfused(self.opt, why)
                 self._warned = True
             return False
         fused_step(self.opt, low_of)
