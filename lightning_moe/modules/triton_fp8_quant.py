@@ -159,7 +159,8 @@ def _e4m3_to_f32(bits):
 @triton.jit
 def _dequant_packed_kernel(p_ptr, s_ptr, out_ptr, D, B, S_ROW, BLOCK_D: tl.constexpr):
     """Row ``row`` of the packed rows (``fp8_dispatch.pack``: D E4M3 bytes, then the fp32 scale at float ``S_ROW``
-    of the float32 view of the row): q / scale, divided as torch divides (correctly rounded), in out's dtype."""
+    of the float32 view of the row, then padding): q / scale, divided as torch divides (correctly rounded), in out's
+    dtype."""
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(s_ptr + row * (B // 4) + S_ROW)
     for d0 in range(0, D, BLOCK_D):
@@ -170,13 +171,12 @@ def _dequant_packed_kernel(p_ptr, s_ptr, out_ptr, D, B, S_ROW, BLOCK_D: tl.const
         tl.store(out_ptr + row * D + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dequant_packed(packed_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequant_packed(packed_NB: torch.Tensor, dtype: torch.dtype, D: int) -> torch.Tensor:
     """``fp8_dispatch.unpack``'s values in one pass: ``(q.float() / scale).to(dtype)`` of each packed row (D E4M3
-    bytes then 4 scale bytes; D a multiple of 4, so that each row's scale is 4-byte aligned)."""
+    bytes, 4 scale bytes, padding; D and the row a multiple of 4, so that each row's scale is 4-byte aligned)."""
     N, B = packed_NB.shape
-    D = B - 4
-    if D % 4:
-        raise ValueError(f"dequant_packed: the row's {D} values must be a multiple of 4 bytes")
+    if D % 4 or B % 4 or B < D + 4:
+        raise ValueError(f"dequant_packed: rows of {B} bytes cannot hold {D} values (a multiple of 4) and a scale")
     packed_NB = packed_NB.contiguous()
     if packed_NB.storage_offset() % 4:  # the float32 view below needs 4-byte aligned rows
         packed_NB = packed_NB.clone()
