@@ -1,8 +1,9 @@
 """FP8 token dispatch: the dispatch all-to-all sends each token row in E4M3 with its fp32 scale, as DeepEP does.
 
 A row of D values travels as D + 4 bytes (the E4M3 bytes, then the 4 bytes of its scale), padded with zeros to a
-multiple of 16 bytes, in one uint8 all-to-all: about half the bytes of bf16. The receiver dequantizes to the input's dtype. Backward is straight-through: the
-gradient goes back in the input's precision by the reverse all-to-all (as in DeepEP, only the dispatch is FP8).
+multiple of 16 bytes, in one uint8 all-to-all: about half the bytes of bf16. The receiver dequantizes to the input's
+dtype. Backward is straight-through: the gradient goes back in the input's precision by the reverse all-to-all (as in
+DeepEP, only the dispatch is FP8).
 
 Scales are per row, so the numbers do not depend on the layout: without an EP group the same quantize-dequantize runs
 in place of the exchange, and one process is the exact reference of the EP run.
