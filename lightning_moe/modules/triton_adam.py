@@ -6,9 +6,9 @@ weight in registers also stores its bf16 rounding: 30 bytes per parameter, what 
 with master weights.
 
 The update is torch's fused Adam, term by term and in the same order
-(``aten/src/ATen/native/cuda/fused_adam_utils.cuh``), in float32 with IEEE division and square root. The bias corrections come from the step count: read on the device
-(``fused=True`` or ``capturable=True``, no host sync), or given by the host (torch's default, whose step count lives
-on the CPU).
+(``aten/src/ATen/native/cuda/fused_adam_utils.cuh``), in float32 with IEEE division and square root. The bias
+corrections come from the step count: read on the device (``fused=True`` or ``capturable=True``, no host sync), or
+given by the host (torch's default, whose step count lives on the CPU).
 """
 
 from __future__ import annotations
