@@ -328,7 +328,8 @@ def run_one(args, preset: str) -> dict:
             from lightning_moe import FP8Training
             memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format, fp8_dispatch=args.fp8_dispatch,
                                                 fast_accum=args.fp8_fast_accum,
-                                                cache_weights=not args.fp8_no_weight_cache))
+                                                cache_weights=not args.fp8_no_weight_cache,
+                                                fp8_param_gather=args.fp8_param_gather))
         if args.nvfp4:
             from lightning_moe import NVFP4Training
             memory_callbacks.append(NVFP4Training())
@@ -387,6 +388,7 @@ def run_one(args, preset: str) -> dict:
            "devices": args.devices, "recompute": args.recompute, "pack_documents": args.pack_documents,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
+           "fp8_param_gather": args.fp8_param_gather,
            "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
                             else "dense+experts"),
            "fused_optimizer_writeback": getattr(trainer.optimizers[0].step, "__qualname__", "").startswith("FusedAdam")
@@ -430,6 +432,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--pack-documents", "--doc-median", str(args.doc_median)] if args.pack_documents else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
+        cmd += ["--fp8-param-gather"] if args.fp8_param_gather else []
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
         cmd += ["--fp8-fast-accum", args.fp8_fast_accum]
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
@@ -525,6 +528,8 @@ def main(argv=None) -> dict:
                    help="FP8Training(cache_weights=False): quantize the expert weights at every micro-batch")
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="with --fp8: FP8Training(fp8_dispatch=True), the token all-to-all in FP8 (alltoall dispatcher)")
+    p.add_argument("--fp8-param-gather", action="store_true",
+                   help="with --fp8 and --distributed-optimizer: FP8Training(fp8_param_gather=True)")
     p.add_argument("--nvfp4", action="store_true", help="lightning_moe.NVFP4Training() (emulated on Hopper)")
     p.add_argument("--smoke", action="store_true", help="tiny preset on CPU, float32, 3 steps")
     p.add_argument("--seed", type=int, default=1234)
@@ -534,6 +539,8 @@ def main(argv=None) -> dict:
         p.error("--gaps needs --profile PATH (it analyses the profiled steps)")
     if args.fp8_dispatch and not args.fp8:
         p.error("--fp8-dispatch needs --fp8 RECIPE (it is an option of FP8Training)")
+    if args.fp8_param_gather and not (args.fp8 and args.distributed_optimizer):
+        p.error("--fp8-param-gather needs --fp8 RECIPE and --distributed-optimizer")
     presets = [s.strip() for s in (args.preset or ("tiny" if args.smoke else DEFAULT_PRESETS)).split(",")
                if s.strip()]
     device = pick_device(args.smoke)

@@ -13,6 +13,8 @@ and emulated otherwise (quantized, dequantized, multiplied in fp32). The log say
 
 ``fp8_dispatch=True`` also sends the tokens of the ``alltoall`` dispatcher's dispatch all-to-all in E4M3, one fp32
 scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the bytes of bf16 on the wire.
+``fp8_param_gather=True`` sends the FP8 GEMMs' weights through the distributed optimizer's all-gather in E4M3
+(``strategy/fp8_param_gather.py``, Megatron's ``--fp8-param-gather``): half the bytes, the same numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Optional, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
 from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
 from lightning_moe.modules.dispatchers import AllToAllDispatcher
@@ -30,6 +32,7 @@ from lightning_moe.modules.fp8_grouped import check_dims, fp8_grouped_mm
 from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
 from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from lightning_moe.strategy import fp8_param_gather as fp8_gather
 
 
 class FP8Training(L.Callback):
@@ -58,11 +61,18 @@ class FP8Training(L.Callback):
             Transformer Engine does, with the precise (split) accumulator for dgrad and wgrad; ``"all"`` every one,
             as torchao's MoE training does (about 2x faster backward GEMMs at fine-grained expert shapes, fewer
             accumulator bits in the gradients); ``"none"``. Emulated GEMMs accumulate in bf16/fp32 either way.
+        fp8_param_gather: all-gather the FP8 GEMMs' weights in E4M3 after each step, with the scales the GEMMs use,
+            instead of bf16 (Megatron's ``--fp8-param-gather``): half the all-gather bytes, the same loss bit for bit.
+            Needs ``MoEFoldStrategy(distributed_optimizer=True)`` with fp32 main params, and a recipe whose weight
+            scales serve both GEMM layouts (``tensorwise``, ``blockwise``). Between steps the model's weights hold
+            their FP8 values; the full ones return at the end of training. Layers where no group gathers the weights
+            (one rank in their data-parallel group) keep their bf16 path.
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
                  emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None,
-                 fp8_dispatch: bool = False, cache_weights: bool = True, fast_accum: str = "fprop"):
+                 fp8_dispatch: bool = False, cache_weights: bool = True, fast_accum: str = "fprop",
+                 fp8_param_gather: bool = False):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
         if fp8_format not in (None, "hybrid", "e4m3"):
@@ -76,10 +86,19 @@ class FP8Training(L.Callback):
             exclude = [exclude]
         if amax_history < 1:
             raise ValueError(f"FP8Training(amax_history={amax_history}): must be >= 1")
+        if fp8_param_gather and recipe not in fp8_gather.RECIPES:
+            raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_param_gather=True): the {recipe} recipe's weight "
+                             + ("scales follow an amax history that advances at every use"
+                                if recipe == "delayed" else "scales differ between the forward and dgrad layouts")
+                             + ", so one FP8 copy cannot serve both GEMMs; use the tensorwise or blockwise recipe, or "
+                             "leave fp8_param_gather off")
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
         self.fp8_dispatch, self.cache_weights, self.fast_accum = fp8_dispatch, bool(cache_weights), fast_accum
+        self.fp8_param_gather = bool(fp8_param_gather)
+        self._amaxes: Optional[fp8_gather.WeightAmaxes] = None
         self._swapped: list = []
+        self._specs: list = []  # specs reading the FP8 parameter all-gather's amaxes
         self._cached: list = []  # the expert GEMMs' specs, whose weight caches follow trainer.global_step
         self._dispatchers: list = []
 
@@ -92,16 +111,29 @@ class FP8Training(L.Callback):
         ctx = getattr(pl_module, "parallel_context", None)
         dispatchers = self._fp8_dispatchers(pl_module) if self.fp8_dispatch else []
         targets = list(gemms(pl_module, self.exclude, self.include_head))
+        sharded = self._param_gather_optimizer(trainer) if self.fp8_param_gather else None
         problems = [why for g in targets for why in [self._check(g, device)] if why]
         if problems:
             raise ValueError(f"FP8Training(recipe={self.recipe!r}) cannot run these layers: {problems[0]}"
                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
+        gathered = []
+        self._amaxes = fp8_gather.WeightAmaxes() if sharded is not None else None
         for g in targets:
             spec = self._spec(g, ctx)
             swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
             if g.grouped and self.cache_weights:
                 self._cached.append(spec)
+            if sharded is not None:
+                spec.presets = self._amaxes
+                self._specs.append(spec)
+                gathered.append(fp8_gather.FP8Weight(
+                    g.weight, fp8_gather.weight_blocks(tuple(g.weight.shape), self.recipe, g.grouped),
+                    spec.group if self.recipe == "tensorwise" and spec.split else None))
+        n_gathered = 0
+        if sharded is not None:
+            shared = _shared_params(pl_module)  # a weight also used elsewhere (tied) keeps its bf16 values
+            n_gathered = sharded.gather_fp8([w for w in gathered if id(w.param) not in shared], self._amaxes)
         for d in dispatchers:
             d.fp8_dispatch = True
         self._dispatchers = dispatchers
@@ -114,7 +146,28 @@ class FP8Training(L.Callback):
                        f"{len(grouped)} expert grouped GEMMs ({on_kernel} on torch._scaled_grouped_mm{backward}, "
                        f"{len(grouped) - on_kernel} emulated)"
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
-                       + f"; fast accumulation: {self.fast_accum}")
+                       + f"; fast accumulation: {self.fast_accum}"
+                       + (f"; {n_gathered} of {len(targets)} weights all-gathered in FP8" if sharded else ""))
+        if sharded is not None and not n_gathered:
+            rank_zero_warn("FP8Training(fp8_param_gather=True): no FP8 weight is all-gathered in this layout (each "
+                           "data-parallel group of the weights has one rank, or the distributed optimizer does not "
+                           "gather them): the option has nothing to do here")
+
+    def _param_gather_optimizer(self, trainer):
+        """The distributed optimizer that gathers the weights; ValueError naming what is missing."""
+        strategy = trainer.strategy
+        sharded = getattr(strategy, "sharded_optimizer", None)
+        if sharded is None or not sharded.grad_sync.shard:
+            raise ValueError("FP8Training(fp8_param_gather=True) needs MoEFoldStrategy(distributed_optimizer=True): "
+                             "without the distributed optimizer no weight is all-gathered")
+        if not sharded.main_fp32 or not any(s.tensor.dtype != s.param.dtype for s in sharded.slots):
+            raise ValueError("FP8Training(fp8_param_gather=True) needs bf16 weights with fp32 main params "
+                             "(precision='bf16-true' and MoEFoldStrategy's default main params): the model's weights "
+                             "hold their FP8 values between steps, the main params the full ones")
+        if getattr(strategy, "cuda_graphs", False):
+            raise ValueError("FP8Training(fp8_param_gather=True) with MoEFoldStrategy(cuda_graphs=True): the captured "
+                             "GEMMs cannot take each step's gathered scales; turn one of them off")
+        return sharded
 
     def _fp8_dispatchers(self, pl_module) -> list:
         """Every MoE layer's dispatcher; ValueError if one is not the all-to-all (the only one with an FP8 path)."""
@@ -162,7 +215,20 @@ class FP8Training(L.Callback):
         for spec in self._cached:
             spec.step, spec.weights = None, {}
         self._cached.clear()
+        for spec in self._specs:
+            spec.presets = None
+        self._specs.clear()
+        if self._amaxes is not None:
+            self._amaxes.clear()
         unswap(self._swapped)
         for d in self._dispatchers:
             d.__dict__.pop("fp8_dispatch", None)
         self._dispatchers = []
+
+
+def _shared_params(pl_module) -> set:
+    """Parameters registered in more than one place (tied weights)."""
+    seen, shared = set(), set()
+    for _, p in pl_module.named_parameters(remove_duplicate=False):
+        (shared if id(p) in seen else seen).add(id(p))
+    return shared

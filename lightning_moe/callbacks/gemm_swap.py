@@ -21,6 +21,7 @@ class Gemm:
     module: nn.Module
     K: int  # the GEMM's reduction dimension (this rank's shard)
     N: int
+    weight: nn.Parameter  # dense (N, K); the experts' (L, K, N)
 
     @property
     def grouped(self) -> bool:
@@ -39,10 +40,10 @@ def gemms(pl_module, exclude: Sequence[str] = (), include_head: bool = False,
         if isinstance(m, GroupedMM):  # the weights are its experts'
             experts = pl_module.get_submodule(name.rsplit(".", 1)[0])
             w = experts.w13 if name.endswith("fc1") else experts.w2
-            yield Gemm(name, m, w.shape[1], w.shape[2])
+            yield Gemm(name, m, w.shape[1], w.shape[2], w)
         elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) or (
                 isinstance(m, nn.Linear) and m.bias is None and "router" not in name):
-            yield Gemm(name, m, m.weight.shape[1], m.weight.shape[0])
+            yield Gemm(name, m, m.weight.shape[1], m.weight.shape[0], m.weight)
 
 
 def swap(g: Gemm, dense: Callable, grouped: Callable, spec, swapped: list) -> None:

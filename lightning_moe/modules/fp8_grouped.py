@@ -91,6 +91,9 @@ def _rows_along_k(x_MK, offs_L, gid_M, t: Tiling, fmt: str, spec: FP8Spec, name:
 def weights_amax(w_LKN, along: str, t: Tiling, spec: FP8Spec, name: str, reduce: bool, split_along: bool):
     """Each expert's weight along K (forward: the GEMM reduces over K) or along N (dgrad): (L, 1, 1) per expert,
     (L, 1, N) or (L, K, 1) per row of the GEMM. Not blockwise."""
+    preset = spec.weight_amax(w_LKN)
+    if t == Tiling(None, None) and preset is not None:  # the FP8 parameter all-gather's, per expert
+        return preset.reshape(w_LKN.shape[0], 1, 1)
     if t == Tiling(None, None):
         return _reduced(abs_amax(w_LKN.detach(), (1, 2)), spec, name, reduce)
     return _reduced(abs_amax(w_LKN.detach(), 1 if along == "K" else 2), spec, name, split_along)
@@ -103,7 +106,9 @@ def _weights(w_LKN, along: str, t: Tiling, fmt: str, spec: FP8Spec, name: str, r
     L, K, N = w_LKN.shape
     if K % BLOCK or N % BLOCK:
         raise ValueError(f"FP8 blockwise: expert weights need dimensions that are multiples of {BLOCK}, got {K} x {N}")
-    tiles = w_LKN.detach().abs().float().reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK).amax((2, 4), keepdim=True)
+    preset = spec.weight_amax(w_LKN)  # the FP8 parameter all-gather's, as (L * K / 128, N / 128)
+    tiles = preset.reshape(L, K // BLOCK, 1, N // BLOCK, 1) if preset is not None else \
+        w_LKN.detach().abs().float().reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK).amax((2, 4), keepdim=True)
     return _fake(w_LKN.reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK), tiles, fmt).reshape(L, K, N)
 
 

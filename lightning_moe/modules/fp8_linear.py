@@ -40,6 +40,13 @@ class FP8Spec:
     step: Optional[int] = None
     weights: dict = field(default_factory=dict)  # operand -> (step, weight's data_ptr, quantized tensors)
     fast_accum: str = "fprop"  # which GEMMs use the kernels' fast accumulation (fp8.FAST_ACCUM)
+    # the FP8 parameter all-gather's block amaxes of the weights it dequantized (strategy/fp8_param_gather.py)
+    presets: Optional[object] = None
+
+    def weight_amax(self, w: torch.Tensor) -> Optional[torch.Tensor]:
+        """The amaxes of ``w``'s scale blocks (as an (R, C) grid) that the FP8 parameter all-gather quantized its
+        current values with: quantizing with them gives back the gathered bytes. None: none (compute them)."""
+        return None if self.presets is None else self.presets.get(w)
 
     def fast(self, role: str) -> bool:
         """Whether the ``role`` GEMM ("fprop", "dgrad" or "wgrad") accumulates fast."""
@@ -90,10 +97,12 @@ class FP8Spec:
 
 
 def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str], fmts: tuple[str, str],
-        splits_a: tuple, splits_b: tuple, out_dtype, gemm: str) -> torch.Tensor:
+        splits_a: tuple, splits_b: tuple, out_dtype, gemm: str, amax_b: Optional[torch.Tensor] = None
+        ) -> torch.Tensor:
+    """``amax_b``: the weight's preset amaxes (``FP8Spec.weight_amax``), else reduced as the recipe says."""
     ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
     amax_a = spec.amax(names[0], a_MK, ta, *splits_a)
-    amax_b = spec.amax(names[1], b_NK, tb, *splits_b)
+    amax_b = spec.amax(names[1], b_NK, tb, *splits_b) if amax_b is None else amax_b
     return fp8_mm(a_MK, b_NK, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, amax_a, amax_b, spec.fast(gemm))
 
 
@@ -107,7 +116,7 @@ class _FP8Linear(torch.autograd.Function):
         col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         # x: tokens split over data ranks, K over TP (row-parallel); W: N (column) or K (row) over TP
         y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row), x.dtype,
-                "fprop")
+                "fprop", spec.weight_amax(w_NK))
         return y.reshape(*x.shape[:-1], w_NK.shape[0])
 
     @staticmethod
@@ -118,8 +127,9 @@ class _FP8Linear(torch.autograd.Function):
         col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         dy_MN = dy.reshape(-1, dy.shape[-1])
         # dgrad dx = dy W, reduced over N: dy's N split (column), W^T is K x N
+        amax_w = spec.weight_amax(w_NK)
         dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), ("data", col),
-                 (row, col), x_MK.dtype, "dgrad")
+                 (row, col), x_MK.dtype, "dgrad", None if amax_w is None else amax_w.t())
         # wgrad dW = dy^T x, reduced over the tokens M (never split); blockwise tiles of 128 tokens: zero rows pad M
         # to a multiple (they add nothing to the product and change no tile's amax)
         pad = (-x_MK.shape[0]) % BLOCK if spec.recipe == "blockwise" else 0

@@ -63,6 +63,8 @@ class OptimizerHooks:
 
     def on_train_end(self) -> None:
         self._check_router_flags(wait=True)  # a non-finite step at the very end still fails the run
+        if self._sharded is not None:  # after the FP8 parameter all-gather: the full weights back in the model
+            self._sharded.restore_weights()
         super().on_train_end()
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:

@@ -15,7 +15,9 @@ slice of each bucket (``flat_shards.py``). Here the optimizer steps only those s
   step upcasts it one bucket at a time, so only one bucket's fp32 state exists at once;
 * a fraction of the slots may live on the host (``optimizer_cpu_offload``): their fp32 main weights in pinned
   memory, their state in host memory (it never crosses the bus), stepped by torch's fused CPU kernel. Their gradients
-  go to the host and their new weights back on side streams, while the GPU steps the rest.
+  go to the host and their new weights back on side streams, while the GPU steps the rest;
+* the weights of FP8 GEMMs may be all-gathered in FP8 (``gather_fp8``, ``fp8_param_gather.py``: Megatron's
+  ``--fp8-param-gather``).
 
 Without the distributed optimizer every rank owns whole buckets (all-reduced): the same code then gives the
 precision-aware state and the offload alone. Parameters that got no gradient in a step still step with a zero
@@ -32,6 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lightning_moe.strategy import fp8_param_gather as fp8_gather
 from lightning_moe.strategy.comm import all_gather_flat
 from lightning_moe.strategy.flat_shards import owned_ranges, split_for_host
 from lightning_moe.strategy.fused_adam import fused_step, step_eligible, warn_unfused
@@ -69,6 +72,7 @@ class _Bucket:
     weights: Optional[torch.Tensor] = None  # flat weight buffer (gathered buckets)
     has_host: bool = False
     pending: list = field(default_factory=list)  # work handles or CUDA events the next forward waits for
+    fp8: Optional[fp8_gather.BucketPlan] = None  # its FP8 weights travel in FP8 (gather_fp8)
 
 
 def _step_hooks(opt: torch.optim.Optimizer, pre: bool):
@@ -137,6 +141,7 @@ class ShardedOptimizer:
         # fused_optimizer_writeback: the device slots' step also writes their bf16 weights (fused_adam.py); set by
         # optimizer_setup where it applies
         self.fuse_writeback, self._written, self._warned = False, set(), False
+        self.fp8_amaxes: Optional[fp8_gather.WeightAmaxes] = None  # set by gather_fp8
         self._next = 0  # the first bucket the next forward may still have to wait for
         self._hooks = self._register_waits(module) if any(b.gather or b.has_host for b in self.buckets) else []
 
@@ -204,6 +209,7 @@ class ShardedOptimizer:
         if not self.grad_sync.had_main_grad:  # no backward ran in this step (e.g. training_step returned None)
             return
         self.wait_all()  # a bucket no forward waited for (weights used outside their module): before rewriting it
+        self._weights_change()
         opt = self.opt
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
             # the optimizer's step hooks run once around all the partial steps below, as around one step
@@ -300,9 +306,13 @@ class ShardedOptimizer:
             side = self.host.stream if bk.has_host else None
             if bk.gather:
                 lo, hi = bk.sync.owned
+                name = bk.sync.group_name
                 with torch.cuda.stream(side) if side is not None else nullcontext():
-                    bk.pending.append(all_gather_flat(bk.weights, bk.weights[lo:hi],
-                                                      self.ctx.group(bk.sync.group_name)))
+                    if bk.fp8 is not None:
+                        bk.pending.append(fp8_gather.start(bk.fp8, bk.weights, self.ctx.rank(name),
+                                                           self.ctx.size(name)))
+                    else:
+                        bk.pending.append(all_gather_flat(bk.weights, bk.weights[lo:hi], self.ctx.group(name)))
             elif side is not None:
                 bk.pending.append(self.host.weights_done)
         self._next = 0
@@ -319,10 +329,54 @@ class ShardedOptimizer:
                 else:
                     w.wait()
             bk.pending.clear()
+            if bk.fp8 is not None and bk.fp8.out is not None:
+                fp8_gather.finish(bk.fp8, bk.weights, self.fp8_amaxes)
             self._next += 1
 
     def wait_all(self) -> None:
         self.wait_until(len(self.buckets) - 1)
+
+    # ------------------------------------------------------------------ FP8 parameter all-gather
+    def gather_fp8(self, weights: list, amaxes: fp8_gather.WeightAmaxes) -> int:
+        """All-gather ``weights`` (``fp8_param_gather.FP8Weight``) in FP8 from the next step on, wherever their
+        bucket is all-gathered; their amaxes go to ``amaxes``. Returns how many are. Needs main params: the model's
+        weights then hold FP8 values between steps."""
+        if not self.main_fp32 or not self.grad_sync.shard:
+            raise ValueError("the FP8 parameter all-gather needs the distributed optimizer with fp32 main params")
+        by_id = {id(w.param): w for w in weights if id(w.param) in self._in_optimizer}
+        count = 0
+        for bk in self.buckets:
+            b = bk.sync
+            fp8 = {i: by_id[id(p)] for i, p in enumerate(b.params) if id(p) in by_id}
+            if bk.gather and fp8:
+                bk.fp8 = fp8_gather.plan_bucket(b.params, b.offsets, b.buffer.numel(), self.ctx.size(b.group_name),
+                                                fp8, bk.weights.element_size(), self.ctx.group(b.group_name))
+                count += len(fp8)
+        self.fp8_amaxes = amaxes
+        return count
+
+    def _weights_change(self) -> None:
+        """The weights are about to be rewritten: the published FP8 amaxes no longer describe them."""
+        if self.fp8_amaxes is not None:
+            self.fp8_amaxes.clear()
+
+    @torch.no_grad()
+    def restore_weights(self) -> None:
+        """End of training with the FP8 parameter all-gather: the model's weights back from the main params (their
+        bf16 rounding, as without it), gathered in bf16; the FP8 gather is off from here on."""
+        plans = [bk for bk in self.buckets if bk.fp8 is not None]
+        if not plans:
+            return
+        self.wait_all()
+        self._weights_change()
+        for s in self.slots:
+            if not s.is_view and self.buckets[s.bucket].fp8 is not None:
+                w = s.weight()
+                w.copy_(s.tensor.to(w.device))
+        for bk in plans:
+            bk.fp8 = None
+            lo, hi = bk.sync.owned
+            all_gather_flat(bk.weights, bk.weights[lo:hi], self.ctx.group(bk.sync.group_name)).wait()
 
     # ------------------------------------------------------------------ clipping
     @torch.no_grad()
@@ -381,6 +435,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def load_from_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         """Set every main copy from a checkpoint's (fp32) values."""
+        self._weights_change()
         for s in self.slots:
             if s.is_view:
                 continue
@@ -393,6 +448,7 @@ class ShardedOptimizer:
         """Adopt model weights written since the main copies were made (a callback, a loaded state dict); keep the
         main bits where they still round to the model's weight."""
         self.wait_all()
+        self._weights_change()
         for s in self.slots:
             if s.is_view:
                 continue
@@ -453,8 +509,8 @@ class ShardedOptimizer:
             if grads:
                 flat = b.buffer.clone()
             else:
-                dtype = torch.float32 if any(s.tensor.dtype == torch.float32 for s in self.slots
-                                             if s.bucket == i) else b.params[0].dtype
+                # the same dtype on every rank of the group (a rank may own no slot of the bucket)
+                dtype = torch.float32 if self.main_fp32 and b.params[0].dtype in LOW_PRECISION else b.params[0].dtype
                 flat = torch.zeros(b.buffer.numel(), dtype=dtype, device=b.buffer.device)
                 for p, off in zip(b.params, b.offsets):
                     flat[off:off + p.numel()] = p.detach().reshape(-1)
