@@ -11,6 +11,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENAB
 source benchmarks/model_row.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | head -2
 case "${1:-checks}" in
+kernels)  # after the Triton quantize/dequantize kernels: the GPU test and the gather alone again
+  CUDA_VISIBLE_DEVICES=0 gpu_tests tests/test_gpu_fp8_param_gather.py
+  timeout 200 python3 benchmarks/bench_param_gather.py --gpus 2 --shape mixtral,qwen3,deepseek_ep8 \
+    --out "$OUT/gather.json" > /dev/null 2>"$OUT/gather_err.log" || tail -5 "$OUT/gather_err.log"
+  python3 -c "
+import json; [print({k: r[k] for k in ('shape', 'recipe', 'bf16_ms', 'fp8_wire_ms', 'fp8_ms', 'fp8_vs_bf16',
+ 'wire_vs_bf16')}) for r in json.load(open('$OUT/gather.json'))['records']]"
+  ;;
 checks)
   CUDA_VISIBLE_DEVICES=0 gpu_tests tests/test_gpu_fp8_param_gather.py tests/test_gpu_fp8.py tests/test_gpu_fp8_cache.py
   LMOE_PARITY_ACCELERATOR=gpu LMOE_PARITY_ONLY=dp2 timeout 240 python3 -m pytest -q -s -p no:cacheprovider \

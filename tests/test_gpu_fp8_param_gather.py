@@ -16,12 +16,15 @@ from lightning_moe.strategy.flat_shards import bucket_layout
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def group(tmp_path_factory):
     if not dist.is_initialized():
         store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "s"), 1)
         dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    yield dist.new_group([0])
+    pg = dist.new_group([0])  # a communicator per test: the sync check must not touch another test's
+    yield pg
+    torch.cuda.synchronize()
+    dist.destroy_process_group(pg)
 
 
 @pytest.mark.parametrize("recipe", g.RECIPES)
@@ -47,6 +50,7 @@ def test_bucket_round_trip_exact_and_sync_free(group, recipe):
         g.finish(plan, flat, amaxes)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
     for i, (p, old) in enumerate(zip(params, before)):
         if i not in fp8:  # travelled as bf16
             assert torch.equal(p, old)

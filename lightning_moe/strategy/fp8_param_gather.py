@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_moe.modules.fp8 import BLOCK, FORMATS, scale_of
+from lightning_moe.modules.fp8 import BLOCK, FORMATS, abs_amax, scale_of
+from lightning_moe.modules.kernels import load
 from lightning_moe.strategy.comm import all_gather_flat
 from lightning_moe.strategy.flat_shards import owned_ranges, owned_slice, round_up
 
@@ -111,25 +112,26 @@ def local_amax(x: torch.Tensor, b: Blocks, lo: int, hi: int, amax_G: torch.Tenso
     for p in _pieces(b, lo, hi):
         r0, r1, c0, c1 = p
         n = (r1 - r0) * (c1 - c0)
-        a = x[at:at + n].abs().float()
+        piece = x[at:at + n]
         at += n
-        if c1 - c0 == b.C:
-            a = a.view(r1 - r0, b.C // b.w, b.w).amax(2)
-            if (r1 - r0) % b.h == 0 and r0 % b.h == 0:
-                g0 = r0 // b.h
-                a = a.view(-1, b.h, b.C // b.w).amax(1)
-                amax_G[g0:g0 + a.shape[0]] = torch.maximum(amax_G[g0:g0 + a.shape[0]], a)
-            else:  # within one block row
-                amax_G[r0 // b.h] = torch.maximum(amax_G[r0 // b.h], a.amax(0))
-        else:
+        nr, gw = r1 - r0, b.C // b.w
+        if c1 - c0 == b.C and r0 % b.h == 0 and nr % b.h == 0:  # whole block rows
+            g0, nb = r0 // b.h, nr // b.h
+            a = abs_amax(piece.view(nb, b.h, gw, b.w), (1, 3)).view(nb, gw)
+            amax_G[g0:g0 + nb] = torch.maximum(amax_G[g0:g0 + nb], a)
+        elif c1 - c0 == b.C:  # whole rows within one block row
+            amax_G[r0 // b.h] = torch.maximum(amax_G[r0 // b.h], abs_amax(piece.view(nr, gw, b.w), (0, 2)).view(gw))
+        else:  # part of one row
             cols = torch.arange(c0, c1, device=x.device) // b.w
-            row = amax_G[r0 // b.h]
-            row.scatter_reduce_(0, cols, a, "amax", include_self=True)
+            amax_G[r0 // b.h].scatter_reduce_(0, cols, piece.abs().float(), "amax", include_self=True)
 
 
 def quantize_into(q: torch.Tensor, x: torch.Tensor, b: Blocks, lo: int, hi: int, s_G: torch.Tensor) -> None:
     """``q`` (E4M3, flat) = ``x`` (elements ``[lo, hi)`` of the weight) quantized with the block scales ``s_G``:
     saturated, rounded to nearest, as ``fp8.quantize``."""
+    tk = load("triton_block_quant", x)
+    if tk is not None:  # one pass
+        return tk.quantize_slice(q, x, s_G, lo, b.C, b.h, b.w)
     dtype, fmax = FORMATS[FMT]
     at = 0
     for p in _pieces(b, lo, hi):
@@ -141,6 +143,9 @@ def quantize_into(q: torch.Tensor, x: torch.Tensor, b: Blocks, lo: int, hi: int,
 
 def dequantize_into(out: torch.Tensor, q: torch.Tensor, b: Blocks, lo: int, hi: int, s_G: torch.Tensor) -> None:
     """``out`` (the weight's dtype, flat) = ``q / scale``, rounded to ``out``'s dtype, as ``fp8.dequantize``."""
+    tk = load("triton_block_quant", q)
+    if tk is not None:  # one pass
+        return tk.dequantize_slice(out, q, s_G, lo, b.C, b.h, b.w)
     at = 0
     for p in _pieces(b, lo, hi):
         n = (p[1] - p[0]) * (p[3] - p[2])
