@@ -6,7 +6,8 @@ One bucket holds one MoE layer's expert weights (w13 and w2) at a model's shape.
   bf16        the plain all-gather of the bucket's bf16 weights;
   fp8_wire    the all-gather of the FP8 chunks alone (the bytes on the wire);
   fp8         the whole FP8 path: block amaxes and their all-reduce, quantization of this rank's slice, the gather,
-              and the dequantization of every slice into the bf16 weights.
+              and the dequantization of every slice into the bf16 weights;
+  fp8_amax, fp8_dequant   two of its parts alone.
 
     python benchmarks/bench_param_gather.py --gpus 2 --shape mixtral,qwen3 --recipe tensorwise,blockwise
 """
@@ -75,9 +76,19 @@ def worker(rank: int, world: int, shapes: list, recipes: list, iters: int, out: 
             mine = wire[rank * plan.chunk:(rank + 1) * plan.chunk]
             t_wire = _time(lambda: all_gather_flat(wire, mine, group).wait(), iters)
             t_fp8 = _time(fp8_path, iters)
+            t_amax = _time(lambda: g._reduce_amaxes(plan, rank, flat), iters)  # with its all-reduce
+            g.start(plan, flat, rank, world).wait()
+            gathered = plan.out
+
+            def unpack():
+                plan.out = gathered
+                g.finish(plan, flat, amaxes)
+
+            t_dequant = _time(unpack, iters)
             records.append({"shape": shape, "recipe": recipe, "gpus": world, "elements": total,
                             "bf16_bytes_per_rank": (hi - lo) * 2, "fp8_bytes_per_rank": plan.chunk,
                             "bf16_ms": round(bf16, 3), "fp8_wire_ms": round(t_wire, 3), "fp8_ms": round(t_fp8, 3),
+                            "fp8_amax_ms": round(t_amax, 3), "fp8_dequant_ms": round(t_dequant, 3),
                             "fp8_vs_bf16": round(bf16 / t_fp8, 3), "wire_vs_bf16": round(bf16 / t_wire, 3),
                             "device": torch.cuda.get_device_name(), "torch": torch.__version__})
     if rank == 0:

@@ -16,8 +16,8 @@ kernels)  # after the Triton quantize/dequantize kernels: the GPU test and the g
   timeout 200 python3 benchmarks/bench_param_gather.py --gpus 2 --shape mixtral,qwen3,deepseek_ep8 \
     --out "$OUT/gather.json" > /dev/null 2>"$OUT/gather_err.log" || tail -5 "$OUT/gather_err.log"
   python3 -c "
-import json; [print({k: r[k] for k in ('shape', 'recipe', 'bf16_ms', 'fp8_wire_ms', 'fp8_ms', 'fp8_vs_bf16',
- 'wire_vs_bf16')}) for r in json.load(open('$OUT/gather.json'))['records']]"
+import json; [print({k: r[k] for k in ('shape', 'recipe', 'bf16_ms', 'fp8_wire_ms', 'fp8_ms', 'fp8_amax_ms',
+ 'fp8_dequant_ms', 'fp8_vs_bf16', 'wire_vs_bf16')}) for r in json.load(open('$OUT/gather.json'))['records']]"
   ;;
 checks)
   CUDA_VISIBLE_DEVICES=0 gpu_tests tests/test_gpu_fp8_param_gather.py tests/test_gpu_fp8.py tests/test_gpu_fp8_cache.py

@@ -1,10 +1,13 @@
-"""Triton kernels for the FP8 parameter all-gather (``strategy/fp8_param_gather.py``): a flat slice of a weight
-quantized with, or dequantized by, the scale of each element's block, one pass each, whatever rows and columns the
-slice cuts. Element i of the slice ``[lo, lo + n)`` of an (R, C) weight sits at row ``(lo + i) // C`` and column
-``(lo + i) % C``: in block ``(row // h, column // w)`` of the scale grid (C / w blocks per grid row).
+"""Triton kernels for the FP8 parameter all-gather (``strategy/fp8_param_gather.py``): a weight's slice quantized
+with, or dequantized by, the scale of each element's block (h x w elements of an (R, C) weight), one pass each.
 
-quantize_slice     q = sat(x * scale), rounded to nearest even E4M3   (fp8.quantize's bits)
-dequantize_slice   out = q / scale, correctly rounded, to nearest even bf16   (fp8.dequantize, then .to(bf16))
+Whole rows ``[r0, r0 + nr)`` (the bulk of a slice) go in tiles of TR x TC elements that each lie in one block, so a
+tile reads its scale once:
+rows_amax          amax[block] = max(amax[block], max |x|)          one read (an atomic max per tile)
+rows_quantize      q = sat(x * scale), rounded to nearest even E4M3   (fp8.quantize's bits)
+rows_dequantize    out = q / scale, correctly rounded, to nearest even bf16   (fp8.dequantize, then .to(bf16))
+A part of one row (at most one at each end of a slice) goes flat, element i at column ``c0 + i``:
+quantize_slice, dequantize_slice.
 
 The roundings are done in fp32 bit arithmetic (``triton_fp8_quant``'s helpers), so the interpreter gives the GPU's
 bits too.
@@ -20,6 +23,83 @@ from lightning_moe.modules.fp8 import FORMATS
 from lightning_moe.modules.triton_fp8_quant import _e4m3_to_f32, _sat
 
 BLOCK = 4096
+TR, TC = 32, 128  # a tile of whole rows: inside one block where w is C or a multiple of TC and TR divides h
+
+
+def tiles_fit(nr: int, r0: int, C: int, h: int, w: int) -> bool:
+    """Whether whole rows ``[r0, r0 + nr)`` split into tiles that each lie in one block."""
+    one_block_row = r0 // h == (r0 + nr - 1) // h
+    return (w == C or w % TC == 0) and (one_block_row or (h % TR == 0 and r0 % TR == 0))
+
+
+@triton.jit
+def _tile(pid_r, pid_c, nr, C, TR: tl.constexpr, TC: tl.constexpr):
+    rows = pid_r * TR + tl.arange(0, TR)
+    cols = pid_c * TC + tl.arange(0, TC)
+    mask = (rows < nr)[:, None] & (cols < C)[None, :]
+    return rows.to(tl.int64)[:, None] * C + cols[None, :], mask
+
+
+@triton.jit
+def _tile_block(pid_r, pid_c, r0, h, w, GW, TR: tl.constexpr, TC: tl.constexpr):
+    return ((r0 + pid_r * TR) // h) * GW + (pid_c * TC) // w
+
+
+@triton.jit
+def _rows_amax_kernel(x_ptr, amax_ptr, nr, C, r0, h, w, GW, TR: tl.constexpr, TC: tl.constexpr):
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    at, mask = _tile(pid_r, pid_c, nr, C, TR, TC)
+    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC), tl.max(tl.max(tl.abs(x), 1), 0))
+
+
+@triton.jit
+def _rows_quant_kernel(x_ptr, s_ptr, q_ptr, nr, C, r0, h, w, GW, FMAX: tl.constexpr, TR: tl.constexpr,
+                       TC: tl.constexpr):
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    at, mask = _tile(pid_r, pid_c, nr, C, TR, TC)
+    s = tl.load(s_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC))
+    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + at, _sat(x * s, FMAX).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_dequant_kernel(q_ptr, s_ptr, out_ptr, nr, C, r0, h, w, GW, BF16: tl.constexpr, TR: tl.constexpr,
+                         TC: tl.constexpr):
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    at, mask = _tile(pid_r, pid_c, nr, C, TR, TC)
+    s = tl.load(s_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC))
+    bits = tl.load(q_ptr + at, mask=mask, other=0).to(tl.int32)
+    v = tl.math.div_rn(_e4m3_to_f32(bits), tl.zeros((TR, TC), tl.float32) + s)
+    if BF16:
+        v = _rne_bf16(v)
+    tl.store(out_ptr + at, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_grid(nr: int, C: int):
+    return (triton.cdiv(nr, TR), triton.cdiv(C, TC))
+
+
+def rows_amax(x: torch.Tensor, amax_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
+    """Max |x| of whole rows ``[r0, r0 + nr)`` (``x`` flat, nr * C elements) into the fp32 grid ``amax_G``
+    (non-negative values: the atomic max of floats)."""
+    nr = x.numel() // C
+    if nr:
+        _rows_amax_kernel[_rows_grid(nr, C)](x, amax_G, nr, C, r0, h, w, C // w, TR=TR, TC=TC, num_warps=4)
+
+
+def rows_quantize(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
+    nr = x.numel() // C
+    if nr:
+        _rows_quant_kernel[_rows_grid(nr, C)](x, s_G, q, nr, C, r0, h, w, C // w, FMAX=FORMATS["e4m3"][1], TR=TR,
+                                              TC=TC, num_warps=4, enable_fp_fusion=False)
+
+
+def rows_dequantize(out: torch.Tensor, q: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
+    nr = q.numel() // C
+    if nr:
+        _rows_dequant_kernel[_rows_grid(nr, C)](q.view(torch.uint8), s_G, out, nr, C, r0, h, w, C // w,
+                                                BF16=out.dtype == torch.bfloat16, TR=TR, TC=TC, num_warps=4)
 
 
 @triton.jit

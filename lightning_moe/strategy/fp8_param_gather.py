@@ -106,16 +106,23 @@ def _piece_scales(s_G: torch.Tensor, b: Blocks, p: tuple) -> torch.Tensor:
     return s_G[r0 // b.h, torch.arange(c0, c1, device=s_G.device) // b.w]
 
 
+def _rows_on_kernel(tk, b: Blocks, p: tuple) -> bool:
+    """Whether piece ``p`` is whole rows that the Triton kernels take in single-block tiles."""
+    return tk is not None and p[3] - p[2] == b.C and tk.tiles_fit(p[1] - p[0], p[0], b.C, b.h, b.w)
+
+
 def local_amax(x: torch.Tensor, b: Blocks, lo: int, hi: int, amax_G: torch.Tensor) -> None:
     """Max ``|x|`` (elements ``[lo, hi)`` of the flattened weight) into the grid ``amax_G`` per scale block."""
+    tk = load("triton_block_quant", x)
     at = 0
     for p in _pieces(b, lo, hi):
         r0, r1, c0, c1 = p
-        n = (r1 - r0) * (c1 - c0)
+        n, nr, gw = (r1 - r0) * (c1 - c0), r1 - r0, b.C // b.w
         piece = x[at:at + n]
         at += n
-        nr, gw = r1 - r0, b.C // b.w
-        if c1 - c0 == b.C and r0 % b.h == 0 and nr % b.h == 0:  # whole block rows
+        if _rows_on_kernel(tk, b, p):
+            tk.rows_amax(piece, amax_G, r0, b.C, b.h, b.w)
+        elif c1 - c0 == b.C and r0 % b.h == 0 and nr % b.h == 0:  # whole block rows
             g0, nb = r0 // b.h, nr // b.h
             a = abs_amax(piece.view(nb, b.h, gw, b.w), (1, 3)).view(nb, gw)
             amax_G[g0:g0 + nb] = torch.maximum(amax_G[g0:g0 + nb], a)
@@ -128,29 +135,35 @@ def local_amax(x: torch.Tensor, b: Blocks, lo: int, hi: int, amax_G: torch.Tenso
 
 def quantize_into(q: torch.Tensor, x: torch.Tensor, b: Blocks, lo: int, hi: int, s_G: torch.Tensor) -> None:
     """``q`` (E4M3, flat) = ``x`` (elements ``[lo, hi)`` of the weight) quantized with the block scales ``s_G``:
-    saturated, rounded to nearest, as ``fp8.quantize``."""
+    saturated, rounded to nearest, as ``fp8.quantize``. One pass on the Triton kernels."""
     tk = load("triton_block_quant", x)
-    if tk is not None:  # one pass
-        return tk.quantize_slice(q, x, s_G, lo, b.C, b.h, b.w)
     dtype, fmax = FORMATS[FMT]
     at = 0
     for p in _pieces(b, lo, hi):
         n = (p[1] - p[0]) * (p[3] - p[2])
-        v = (_piece_view(x[at:at + n], b, p).float() * _piece_scales(s_G, b, p)).clamp(-fmax, fmax)
-        q[at:at + n].copy_(v.to(dtype).reshape(-1))
+        if _rows_on_kernel(tk, b, p):
+            tk.rows_quantize(q[at:at + n], x[at:at + n], s_G, p[0], b.C, b.h, b.w)
+        elif tk is not None:
+            tk.quantize_slice(q[at:at + n], x[at:at + n], s_G, p[0] * b.C + p[2], b.C, b.h, b.w)
+        else:
+            v = (_piece_view(x[at:at + n], b, p).float() * _piece_scales(s_G, b, p)).clamp(-fmax, fmax)
+            q[at:at + n].copy_(v.to(dtype).reshape(-1))
         at += n
 
 
 def dequantize_into(out: torch.Tensor, q: torch.Tensor, b: Blocks, lo: int, hi: int, s_G: torch.Tensor) -> None:
     """``out`` (the weight's dtype, flat) = ``q / scale``, rounded to ``out``'s dtype, as ``fp8.dequantize``."""
     tk = load("triton_block_quant", q)
-    if tk is not None:  # one pass
-        return tk.dequantize_slice(out, q, s_G, lo, b.C, b.h, b.w)
     at = 0
     for p in _pieces(b, lo, hi):
         n = (p[1] - p[0]) * (p[3] - p[2])
-        v = _piece_view(q[at:at + n], b, p).float() / _piece_scales(s_G, b, p)
-        out[at:at + n].copy_(v.reshape(-1))
+        if _rows_on_kernel(tk, b, p):
+            tk.rows_dequantize(out[at:at + n], q[at:at + n], s_G, p[0], b.C, b.h, b.w)
+        elif tk is not None:
+            tk.dequantize_slice(out[at:at + n], q[at:at + n], s_G, p[0] * b.C + p[2], b.C, b.h, b.w)
+        else:
+            v = _piece_view(q[at:at + n], b, p).float() / _piece_scales(s_G, b, p)
+            out[at:at + n].copy_(v.reshape(-1))
         at += n
 
 

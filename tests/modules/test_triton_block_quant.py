@@ -26,9 +26,14 @@ inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's proces
 @inside
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_slices_match_the_whole_tensor(recipe, grouped):
+def test_slices_match_the_whole_tensor(recipe, grouped, monkeypatch):
+    from lightning_moe.modules import triton_block_quant as tk
     from lightning_moe.modules.fp8 import Tiling, dequantize, quantize, scale_of
     from lightning_moe.strategy import fp8_param_gather as g
+    calls = []
+    for name in ("rows_amax", "rows_quantize", "rows_dequantize", "quantize_slice", "dequantize_slice"):
+        real = getattr(tk, name)
+        monkeypatch.setattr(tk, name, lambda *a, real=real, name=name: (calls.append(name), real(*a))[1])
     rng = random.Random(1)
     torch.manual_seed(1)
     shape = (2, 256, 384) if grouped else (384, 256)
@@ -40,6 +45,10 @@ def test_slices_match_the_whole_tensor(recipe, grouped):
     cuts = sorted({0, n, *(rng.randrange(n) for _ in range(5))})
     x, t = w.reshape(b.R, b.C), Tiling(b.h, b.w)
     amax = x.abs().float().reshape(b.grid[0], b.h, b.grid[1], b.w).amax((1, 3))
+    mine = torch.zeros(b.grid)
+    for lo, hi in zip(cuts, cuts[1:]):
+        g.local_amax(flat[lo:hi], b, lo, hi, mine)
+    assert torch.equal(mine, amax)
     s = scale_of(amax, "e4m3")
     q = torch.empty(n, dtype=torch.float8_e4m3fn)
     d = torch.empty(n, dtype=torch.bfloat16)
@@ -50,3 +59,4 @@ def test_slices_match_the_whole_tensor(recipe, grouped):
     bad = q.view(torch.uint8) != q_ref.reshape(-1).view(torch.uint8)
     assert not bad.any(), f"{int(bad.sum())} bytes differ"
     assert torch.equal(d, dequantize(q_ref, s_ref, t).to(torch.bfloat16).reshape(-1))
+    assert {"rows_amax", "rows_quantize", "rows_dequantize", "quantize_slice", "dequantize_slice"} <= set(calls)
