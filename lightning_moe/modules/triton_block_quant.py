@@ -1,9 +1,9 @@
 """Triton kernels for the FP8 parameter all-gather (``strategy/fp8_param_gather.py``): a weight's slice quantized
 with, or dequantized by, the scale of each element's block (h x w elements of an (R, C) weight), one pass each.
 
-Whole rows ``[r0, r0 + nr)`` (the bulk of a slice) go in tiles within one block row: a tile reads one scale per
-column (rows_amax: tiles of TR x TC within one block, an atomic max each):
-rows_amax          amax[block] = max(amax[block], max |x|)          one read
+Whole rows ``[r0, r0 + nr)`` (the bulk of a slice) go in tiles of TR x TC elements that each lie in one block, so a
+tile reads its scale once:
+rows_amax          amax[block] = max(amax[block], max |x|)          one read (an atomic max per tile)
 rows_quantize      q = sat(x * scale), rounded to nearest even E4M3   (fp8.quantize's bits)
 rows_dequantize    out = q / scale, correctly rounded, to nearest even bf16   (fp8.dequantize, then .to(bf16))
 A part of one row (at most one at each end of a slice) goes flat, element i at column ``c0 + i``:
@@ -23,14 +23,13 @@ from lightning_moe.modules.fp8 import FORMATS
 from lightning_moe.modules.triton_fp8_quant import _e4m3_to_f32, _sat
 
 BLOCK = 4096
-TR, TC = 32, 128  # rows_amax's tiles: inside one block where w is C or a multiple of TC and TR divides h
-QR, QC = 8, 1024  # the (de)quantization tiles: inside one block row where QR divides h
+TR, TC = 32, 128  # a tile of whole rows: inside one block where w is C or a multiple of TC and TR divides h
 
 
 def tiles_fit(nr: int, r0: int, C: int, h: int, w: int) -> bool:
     """Whether whole rows ``[r0, r0 + nr)`` split into tiles that each lie in one block."""
     one_block_row = r0 // h == (r0 + nr - 1) // h
-    return (w == C or w % TC == 0) and (one_block_row or (h % TR == 0 and r0 % TR == 0) and h % QR == 0)
+    return (w == C or w % TC == 0) and (one_block_row or (h % TR == 0 and r0 % TR == 0))
 
 
 @triton.jit
@@ -55,19 +54,11 @@ def _rows_amax_kernel(x_ptr, amax_ptr, nr, C, r0, h, w, GW, TR: tl.constexpr, TC
 
 
 @triton.jit
-def _row_scales(pid_r, pid_c, s_ptr, C, r0, h, w, GW, TR: tl.constexpr, TC: tl.constexpr):
-    """The tile's scale per column (its rows share one block row)."""
-    cols = pid_c * TC + tl.arange(0, TC)
-    s = tl.load(s_ptr + ((r0 + pid_r * TR) // h) * GW + cols // w, mask=cols < C, other=1.0)
-    return s[None, :]
-
-
-@triton.jit
 def _rows_quant_kernel(x_ptr, s_ptr, q_ptr, nr, C, r0, h, w, GW, FMAX: tl.constexpr, TR: tl.constexpr,
                        TC: tl.constexpr):
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     at, mask = _tile(pid_r, pid_c, nr, C, TR, TC)
-    s = _row_scales(pid_r, pid_c, s_ptr, C, r0, h, w, GW, TR, TC)
+    s = tl.load(s_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC))
     x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
     tl.store(q_ptr + at, _sat(x * s, FMAX).to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -77,7 +68,7 @@ def _rows_dequant_kernel(q_ptr, s_ptr, out_ptr, nr, C, r0, h, w, GW, BF16: tl.co
                          TC: tl.constexpr):
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     at, mask = _tile(pid_r, pid_c, nr, C, TR, TC)
-    s = _row_scales(pid_r, pid_c, s_ptr, C, r0, h, w, GW, TR, TC)
+    s = tl.load(s_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC))
     bits = tl.load(q_ptr + at, mask=mask, other=0).to(tl.int32)
     v = tl.math.div_rn(_e4m3_to_f32(bits), tl.zeros((TR, TC), tl.float32) + s)
     if BF16:
@@ -85,8 +76,8 @@ def _rows_dequant_kernel(q_ptr, s_ptr, out_ptr, nr, C, r0, h, w, GW, BF16: tl.co
     tl.store(out_ptr + at, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows_grid(nr: int, C: int, tr: int = TR, tc: int = TC):
-    return (triton.cdiv(nr, tr), triton.cdiv(C, tc))
+def _rows_grid(nr: int, C: int):
+    return (triton.cdiv(nr, TR), triton.cdiv(C, TC))
 
 
 def rows_amax(x: torch.Tensor, amax_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
@@ -100,15 +91,15 @@ def rows_amax(x: torch.Tensor, amax_G: torch.Tensor, r0: int, C: int, h: int, w:
 def rows_quantize(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
     nr = x.numel() // C
     if nr:
-        _rows_quant_kernel[_rows_grid(nr, C, QR, QC)](x, s_G, q, nr, C, r0, h, w, C // w, FMAX=FORMATS["e4m3"][1],
-                                                      TR=QR, TC=QC, num_warps=8, enable_fp_fusion=False)
+        _rows_quant_kernel[_rows_grid(nr, C)](x, s_G, q, nr, C, r0, h, w, C // w, FMAX=FORMATS["e4m3"][1], TR=TR,
+                                              TC=TC, num_warps=4, enable_fp_fusion=False)
 
 
 def rows_dequantize(out: torch.Tensor, q: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
     nr = q.numel() // C
     if nr:
-        _rows_dequant_kernel[_rows_grid(nr, C, QR, QC)](q.view(torch.uint8), s_G, out, nr, C, r0, h, w, C // w,
-                                                        BF16=out.dtype == torch.bfloat16, TR=QR, TC=QC, num_warps=8)
+        _rows_dequant_kernel[_rows_grid(nr, C)](q.view(torch.uint8), s_G, out, nr, C, r0, h, w, C // w,
+                                                BF16=out.dtype == torch.bfloat16, TR=TR, TC=TC, num_warps=4)
 
 
 @triton.jit
