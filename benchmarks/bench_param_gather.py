@@ -45,7 +45,9 @@ def _time(fn, iters: int) -> float:
     return times[len(times) // 2]
 
 
-def worker(rank: int, world: int, shapes: list, recipes: list, iters: int, out: str, port: int) -> None:
+def worker(rank: int, world: int, shapes: list, recipes: list, iters: int, out: str, port: int,
+           tiles: list) -> None:
+    from lightning_moe.modules import triton_block_quant as tk
     from lightning_moe.strategy import fp8_param_gather as g
     from lightning_moe.strategy.comm import all_gather_flat
     from lightning_moe.strategy.flat_shards import bucket_layout, owned_slice
@@ -63,7 +65,8 @@ def worker(rank: int, world: int, shapes: list, recipes: list, iters: int, out: 
                   for o, d in zip(offsets, dims)]
         lo, hi = owned_slice(total, world, rank)
         bf16 = _time(lambda: all_gather_flat(flat, flat[lo:hi], group).wait(), iters)
-        for recipe in recipes:
+        for recipe, tile in [(r, t) for r in recipes for t in tiles]:
+            tk.TR, tk.TC, tk.WARPS = tile
             fp8 = {i: g.FP8Weight(p, g.weight_blocks(tuple(p.shape), recipe, True)) for i, p in enumerate(params)}
             plan = g.plan_bucket(params, offsets, total, world, fp8, 2, group)
             amaxes = g.WeightAmaxes()
@@ -85,7 +88,7 @@ def worker(rank: int, world: int, shapes: list, recipes: list, iters: int, out: 
                 g.finish(plan, flat, amaxes)
 
             t_dequant = _time(unpack, iters)
-            records.append({"shape": shape, "recipe": recipe, "gpus": world, "elements": total,
+            records.append({"shape": shape, "recipe": recipe, "gpus": world, "elements": total, "tile": tile,
                             "bf16_bytes_per_rank": (hi - lo) * 2, "fp8_bytes_per_rank": plan.chunk,
                             "bf16_ms": round(bf16, 3), "fp8_wire_ms": round(t_wire, 3), "fp8_ms": round(t_fp8, 3),
                             "fp8_amax_ms": round(t_amax, 3), "fp8_dequant_ms": round(t_dequant, 3),
@@ -106,10 +109,13 @@ def main(argv=None) -> None:
     p.add_argument("--shape", default="mixtral,qwen3", help=f"comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--recipe", default="tensorwise,blockwise")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tiles", default="32x128x4",
+                   help="comma-separated ROWSxCOLSxWARPS of triton_block_quant's whole-row tiles, each measured")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     from tests.parallel.harness import free_port
-    mp.spawn(worker, args=(a.gpus, a.shape.split(","), a.recipe.split(","), a.iters, a.out, free_port()),
+    tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")]
+    mp.spawn(worker, args=(a.gpus, a.shape.split(","), a.recipe.split(","), a.iters, a.out, free_port(), tiles),
              nprocs=a.gpus)
 
 

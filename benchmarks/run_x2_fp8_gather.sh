@@ -19,6 +19,14 @@ kernels)  # after the Triton quantize/dequantize kernels: the GPU test and the g
 import json; [print({k: r[k] for k in ('shape', 'recipe', 'bf16_ms', 'fp8_wire_ms', 'fp8_ms', 'fp8_amax_ms',
  'fp8_dequant_ms', 'fp8_vs_bf16', 'wire_vs_bf16')}) for r in json.load(open('$OUT/gather.json'))['records']]"
   ;;
+tiles)  # the whole-row tile shapes of triton_block_quant, at the mixtral shape
+  timeout 300 python3 benchmarks/bench_param_gather.py --gpus 2 --shape mixtral --recipe tensorwise \
+    --tiles 32x128x4,64x128x4,64x128x8,128x128x8,16x128x4,16x256x4,32x256x8 --out "$OUT/tiles.json" > /dev/null \
+    2>"$OUT/tiles_err.log" || tail -5 "$OUT/tiles_err.log"
+  python3 -c "
+import json; [print({k: r[k] for k in ('tile', 'bf16_ms', 'fp8_ms', 'fp8_amax_ms', 'fp8_dequant_ms', 'fp8_vs_bf16')})
+ for r in json.load(open('$OUT/tiles.json'))['records']]"
+  ;;
 checks)
   CUDA_VISIBLE_DEVICES=0 gpu_tests tests/test_gpu_fp8_param_gather.py tests/test_gpu_fp8.py tests/test_gpu_fp8_cache.py
   LMOE_PARITY_ACCELERATOR=gpu LMOE_PARITY_ONLY=dp2 timeout 240 python3 -m pytest -q -s -p no:cacheprovider \

@@ -24,6 +24,7 @@ from lightning_moe.modules.triton_fp8_quant import _e4m3_to_f32, _sat
 
 BLOCK = 4096
 TR, TC = 32, 128  # a tile of whole rows: inside one block where w is C or a multiple of TC and TR divides h
+WARPS = 4
 
 
 def tiles_fit(nr: int, r0: int, C: int, h: int, w: int) -> bool:
@@ -85,21 +86,21 @@ def rows_amax(x: torch.Tensor, amax_G: torch.Tensor, r0: int, C: int, h: int, w:
     (non-negative values: the atomic max of floats)."""
     nr = x.numel() // C
     if nr:
-        _rows_amax_kernel[_rows_grid(nr, C)](x, amax_G, nr, C, r0, h, w, C // w, TR=TR, TC=TC, num_warps=4)
+        _rows_amax_kernel[_rows_grid(nr, C)](x, amax_G, nr, C, r0, h, w, C // w, TR=TR, TC=TC, num_warps=WARPS)
 
 
 def rows_quantize(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
     nr = x.numel() // C
     if nr:
         _rows_quant_kernel[_rows_grid(nr, C)](x, s_G, q, nr, C, r0, h, w, C // w, FMAX=FORMATS["e4m3"][1], TR=TR,
-                                              TC=TC, num_warps=4, enable_fp_fusion=False)
+                                              TC=TC, num_warps=WARPS, enable_fp_fusion=False)
 
 
 def rows_dequantize(out: torch.Tensor, q: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
     nr = q.numel() // C
     if nr:
         _rows_dequant_kernel[_rows_grid(nr, C)](q.view(torch.uint8), s_G, out, nr, C, r0, h, w, C // w,
-                                                BF16=out.dtype == torch.bfloat16, TR=TR, TC=TC, num_warps=4)
+                                                BF16=out.dtype == torch.bfloat16, TR=TR, TC=TC, num_warps=WARPS)
 
 
 @triton.jit
