@@ -5,11 +5,12 @@ Whole rows ``[r0, r0 + nr)`` (the bulk of a slice) go in tiles of TR x TC elemen
 tile reads its scale once:
 rows_amax          amax[block] = max(amax[block], max |x|)          one read (an atomic max per tile)
 rows_quantize      q = sat(x * scale), rounded to nearest even E4M3   (fp8.quantize's bits)
-rows_dequantize    out = q / scale, correctly rounded, to nearest even bf16   (fp8.dequantize, then .to(bf16))
+rows_dequantize    out = table[block, q]: the block's 256 values q / scale in out's dtype, made by torch
+                   (``dequant_table``: fp8.dequantize's bits by construction; a gather from cache, not a division)
 A part of one row (at most one at each end of a slice) goes flat, element i at column ``c0 + i``:
 quantize_slice, dequantize_slice.
 
-The roundings are done in fp32 bit arithmetic (``triton_fp8_quant``'s helpers), so the interpreter gives the GPU's
+The quantization rounds in fp32 bit arithmetic (``triton_fp8_quant``'s helpers), so the interpreter gives the GPU's
 bits too.
 """
 
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from lightning_moe.modules.fp8 import FORMATS
-from lightning_moe.modules.triton_fp8_quant import _e4m3_to_f32, _sat
+from lightning_moe.modules.triton_fp8_quant import _sat
 
 BLOCK = 4096
 TR, TC = 32, 128  # a tile of whole rows: inside one block where w is C or a multiple of TC and TR divides h
@@ -65,16 +66,12 @@ def _rows_quant_kernel(x_ptr, s_ptr, q_ptr, nr, C, r0, h, w, GW, FMAX: tl.conste
 
 
 @triton.jit
-def _rows_dequant_kernel(q_ptr, s_ptr, out_ptr, nr, C, r0, h, w, GW, BF16: tl.constexpr, TR: tl.constexpr,
-                         TC: tl.constexpr):
+def _rows_dequant_kernel(q_ptr, t_ptr, out_ptr, nr, C, r0, h, w, GW, TR: tl.constexpr, TC: tl.constexpr):
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     at, mask = _tile(pid_r, pid_c, nr, C, TR, TC)
-    s = tl.load(s_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC))
+    table = t_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC).to(tl.int64) * 256  # 256 values: in cache
     bits = tl.load(q_ptr + at, mask=mask, other=0).to(tl.int32)
-    v = tl.math.div_rn(_e4m3_to_f32(bits), tl.zeros((TR, TC), tl.float32) + s)
-    if BF16:
-        v = _rne_bf16(v)
-    tl.store(out_ptr + at, v.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + at, tl.load(table + bits, mask=mask), mask=mask)
 
 
 def _rows_grid(nr: int, C: int):
@@ -96,11 +93,12 @@ def rows_quantize(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, r0: int, 
                                               TC=TC, num_warps=WARPS, enable_fp_fusion=False)
 
 
-def rows_dequantize(out: torch.Tensor, q: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
+def rows_dequantize(out: torch.Tensor, q: torch.Tensor, table: torch.Tensor, r0: int, C: int, h: int, w: int
+                    ) -> None:
     nr = q.numel() // C
     if nr:
-        _rows_dequant_kernel[_rows_grid(nr, C)](q.view(torch.uint8), s_G, out, nr, C, r0, h, w, C // w,
-                                                BF16=out.dtype == torch.bfloat16, TR=TR, TC=TC, num_warps=WARPS)
+        _rows_dequant_kernel[_rows_grid(nr, C)](q.view(torch.uint8), table, out, nr, C, r0, h, w, C // w, TR=TR,
+                                                TC=TC, num_warps=WARPS)
 
 
 @triton.jit
@@ -110,12 +108,10 @@ def _block_of(offs, lo, C, h, w, GW):
     return (r // h) * GW + (i - r * C) // w
 
 
-@triton.jit
-def _rne_bf16(v):
-    """``v`` rounded to the nearest bf16 value, ties to even, in fp32 (finite values): the cast that follows is exact
-    on any backend."""
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+def dequant_table(s_G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(blocks, 256): each block's value of every E4M3 byte, ``(q.float() / scale).to(dtype)`` as torch computes it."""
+    q = torch.arange(256, dtype=torch.int32, device=s_G.device).to(torch.uint8).view(FORMATS["e4m3"][0]).float()
+    return (q.unsqueeze(0) / s_G.reshape(-1, 1)).to(dtype).contiguous()
 
 
 @triton.jit
@@ -128,15 +124,12 @@ def _quant_kernel(x_ptr, s_ptr, q_ptr, n, lo, C, h, w, GW, FMAX: tl.constexpr, B
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, n, lo, C, h, w, GW, BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _dequant_kernel(q_ptr, t_ptr, out_ptr, n, lo, C, h, w, GW, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    s = tl.load(s_ptr + _block_of(offs, lo, C, h, w, GW), mask=mask, other=1.0)
-    bits = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
-    v = tl.math.div_rn(_e4m3_to_f32(bits), s)
-    if BF16:
-        v = _rne_bf16(v)
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+    bits = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int64)
+    v = tl.load(t_ptr + _block_of(offs, lo, C, h, w, GW) * 256 + bits, mask=mask)
+    tl.store(out_ptr + offs, v, mask=mask)
 
 
 def _grid(n: int):
@@ -152,9 +145,11 @@ def quantize_slice(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, lo: int,
                                 C // w, FMAX=FORMATS["e4m3"][1], BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
 
 
-def dequantize_slice(out: torch.Tensor, q: torch.Tensor, s_G: torch.Tensor, lo: int, C: int, h: int, w: int) -> None:
-    """``out`` (flat, the weight's dtype) = ``q / scale`` of the slice at ``lo`` (as ``quantize_slice``)."""
+def dequantize_slice(out: torch.Tensor, q: torch.Tensor, table: torch.Tensor, lo: int, C: int, h: int, w: int
+                     ) -> None:
+    """``out`` (flat, the weight's dtype) = ``q / scale`` of the slice at ``lo`` (as ``quantize_slice``), from the
+    blocks' ``dequant_table`` (in out's dtype)."""
     n = q.numel()
     if n:
-        _dequant_kernel[_grid(n)](q.view(torch.uint8), s_G.contiguous(), out, n, lo, C, h, w, C // w,
-                                  BF16=out.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=8)
+        _dequant_kernel[_grid(n)](q.view(torch.uint8), table, out, n, lo, C, h, w, C // w, BLOCK=BLOCK,
+                                  num_warps=8)

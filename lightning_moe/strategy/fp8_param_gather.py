@@ -151,16 +151,20 @@ def quantize_into(q: torch.Tensor, x: torch.Tensor, b: Blocks, lo: int, hi: int,
         at += n
 
 
-def dequantize_into(out: torch.Tensor, q: torch.Tensor, b: Blocks, lo: int, hi: int, s_G: torch.Tensor) -> None:
-    """``out`` (the weight's dtype, flat) = ``q / scale``, rounded to ``out``'s dtype, as ``fp8.dequantize``."""
+def dequantize_into(out: torch.Tensor, q: torch.Tensor, b: Blocks, lo: int, hi: int, s_G: torch.Tensor,
+                    table: Optional[torch.Tensor] = None) -> None:
+    """``out`` (the weight's dtype, flat) = ``q / scale``, rounded to ``out``'s dtype, as ``fp8.dequantize``.
+    ``table``: the blocks' ``triton_block_quant.dequant_table`` for ``out``'s dtype, if made already."""
     tk = load("triton_block_quant", q)
+    if tk is not None and table is None:
+        table = tk.dequant_table(s_G, out.dtype)
     at = 0
     for p in _pieces(b, lo, hi):
         n = (p[1] - p[0]) * (p[3] - p[2])
         if _rows_on_kernel(tk, b, p):
-            tk.rows_dequantize(out[at:at + n], q[at:at + n], s_G, p[0], b.C, b.h, b.w)
+            tk.rows_dequantize(out[at:at + n], q[at:at + n], table, p[0], b.C, b.h, b.w)
         elif tk is not None:
-            tk.dequantize_slice(out[at:at + n], q[at:at + n], s_G, p[0] * b.C + p[2], b.C, b.h, b.w)
+            tk.dequantize_slice(out[at:at + n], q[at:at + n], table, p[0] * b.C + p[2], b.C, b.h, b.w)
         else:
             v = _piece_view(q[at:at + n], b, p).float() / _piece_scales(s_G, b, p)
             out[at:at + n].copy_(v.reshape(-1))
@@ -294,6 +298,8 @@ def finish(plan: BucketPlan, weights: torch.Tensor, amaxes: WeightAmaxes) -> Non
     out, plan.out = plan.out, None
     elem, dtype = weights.element_size(), weights.dtype
     scales = {i: scale_of(a, FMT) for i, a in plan.amax.items()}
+    tk = load("triton_block_quant", weights)
+    tables = {i: tk.dequant_table(s, dtype) for i, s in scales.items()} if tk is not None else {}
     for r, segs in enumerate(plan.segs):
         chunk = out[r * plan.chunk:(r + 1) * plan.chunk]
         for s in segs:
@@ -301,7 +307,7 @@ def finish(plan: BucketPlan, weights: torch.Tensor, amaxes: WeightAmaxes) -> Non
             dst = weights[s.buf_lo:s.buf_lo + n]
             if s.fp8:
                 dequantize_into(dst, chunk[s.at:s.at + n].view(FORMATS[FMT][0]), plan.fp8[s.index].blocks, s.lo,
-                                s.hi, scales[s.index])
+                                s.hi, scales[s.index], tables.get(s.index))
             else:
                 dst.copy_(chunk[s.at:s.at + n * elem].view(dtype))
     for i, a in plan.amax.items():
