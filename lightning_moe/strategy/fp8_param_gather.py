@@ -296,6 +296,10 @@ def start(plan: BucketPlan, weights: torch.Tensor, me: int, world: int):
 def finish(plan: BucketPlan, weights: torch.Tensor, amaxes: WeightAmaxes) -> None:
     """After the all-gather: every rank's chunk into the flat weights; the amaxes published for the GEMMs."""
     out, plan.out = plan.out, None
+    if out.is_cuda:  # made on the offload side stream where the bucket has host slots: freed after this stream's use
+        stream = torch.cuda.current_stream(out.device)
+        for t in (out, *plan.amax.values()):
+            t.record_stream(stream)
     elem, dtype = weights.element_size(), weights.dtype
     scales = {i: scale_of(a, FMT) for i, a in plan.amax.items()}
     tk = load("triton_block_quant", weights)

@@ -343,7 +343,9 @@ class ShardedOptimizer:
         weights then hold FP8 values between steps."""
         if not self.main_fp32 or not self.grad_sync.shard:
             raise ValueError("the FP8 parameter all-gather needs the distributed optimizer with fp32 main params")
-        by_id = {id(w.param): w for w in weights if id(w.param) in self._in_optimizer}
+        # only weights with a main copy: the dequantized values must not overwrite what the optimizer steps
+        by_id = {id(w.param): w for w in weights if id(w.param) in self._in_optimizer
+                 and w.param.dtype in LOW_PRECISION}
         count = 0
         for bk in self.buckets:
             b = bk.sync
