@@ -33,6 +33,7 @@ from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
 from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from lightning_moe.strategy import fp8_param_gather as fp8_gather
+from lightning_moe.strategy.main_params import LOW_PRECISION
 
 
 class FP8Training(L.Callback):
@@ -134,6 +135,8 @@ class FP8Training(L.Callback):
         if sharded is not None:
             shared = _shared_params(pl_module)  # a weight also used elsewhere (tied) keeps its bf16 values
             n_gathered = sharded.gather_fp8([w for w in gathered if id(w.param) not in shared], self._amaxes)
+            # summed over the ranks (pipeline stages hold different layers): the log and the warning say the same
+            n_gathered = int(trainer.strategy.reduce(torch.tensor(n_gathered, device=device), reduce_op="sum"))
         for d in dispatchers:
             d.fp8_dispatch = True
         self._dispatchers = dispatchers
@@ -147,7 +150,7 @@ class FP8Training(L.Callback):
                        f"{len(grouped) - on_kernel} emulated)"
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
                        + f"; fast accumulation: {self.fast_accum}"
-                       + (f"; {n_gathered} of {len(targets)} weights all-gathered in FP8" if sharded else ""))
+                       + (f"; {n_gathered} weights all-gathered in FP8 (summed over the ranks)" if sharded else ""))
         if sharded is not None and not n_gathered:
             rank_zero_warn("FP8Training(fp8_param_gather=True): no FP8 weight is all-gathered in this layout (each "
                            "data-parallel group of the weights has one rank, or the distributed optimizer does not "
@@ -160,7 +163,8 @@ class FP8Training(L.Callback):
         if sharded is None or not sharded.grad_sync.shard:
             raise ValueError("FP8Training(fp8_param_gather=True) needs MoEFoldStrategy(distributed_optimizer=True): "
                              "without the distributed optimizer no weight is all-gathered")
-        if not sharded.main_fp32 or not any(s.tensor.dtype != s.param.dtype for s in sharded.slots):
+        low = any(p.dtype in LOW_PRECISION for bk in sharded.buckets for p in bk.sync.params)
+        if not sharded.main_fp32 or not low:  # the same answer on every rank (a rank may own no slot)
             raise ValueError("FP8Training(fp8_param_gather=True) needs bf16 weights with fp32 main params "
                              "(precision='bf16-true' and MoEFoldStrategy's default main params): the model's weights "
                              "hold their FP8 values between steps, the main params the full ones")

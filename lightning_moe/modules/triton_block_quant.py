@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from lightning_moe.modules.fp8 import FORMATS
-from lightning_moe.modules.triton_fp8_quant import _sat
+from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat
 
 BLOCK = 4096
 TR, TC = 32, 128  # a tile of whole rows: inside one block where w is C or a multiple of TC and TR divides h
@@ -52,7 +52,9 @@ def _rows_amax_kernel(x_ptr, amax_ptr, nr, C, r0, h, w, GW, TR: tl.constexpr, TC
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     at, mask = _tile(pid_r, pid_c, nr, C, TR, TC)
     x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC), tl.max(tl.max(tl.abs(x), 1), 0))
+    m = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan)  # NaN stays, as in torch's amax
+    # non-negative floats order as their bits, NaN above inf: an integer atomic max keeps NaN too
+    tl.atomic_max(amax_ptr + _tile_block(pid_r, pid_c, r0, h, w, GW, TR, TC), m.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -79,11 +81,12 @@ def _rows_grid(nr: int, C: int):
 
 
 def rows_amax(x: torch.Tensor, amax_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
-    """Max |x| of whole rows ``[r0, r0 + nr)`` (``x`` flat, nr * C elements) into the fp32 grid ``amax_G``
-    (non-negative values: the atomic max of floats)."""
+    """Max |x| of whole rows ``[r0, r0 + nr)`` (``x`` flat, nr * C elements) into the fp32 grid ``amax_G`` (its
+    values non-negative)."""
     nr = x.numel() // C
     if nr:
-        _rows_amax_kernel[_rows_grid(nr, C)](x, amax_G, nr, C, r0, h, w, C // w, TR=TR, TC=TC, num_warps=WARPS)
+        _rows_amax_kernel[_rows_grid(nr, C)](x, amax_G.view(torch.int32), nr, C, r0, h, w, C // w, TR=TR, TC=TC,
+                                             num_warps=WARPS)
 
 
 def rows_quantize(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:

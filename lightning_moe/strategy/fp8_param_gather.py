@@ -106,6 +106,14 @@ def _piece_scales(s_G: torch.Tensor, b: Blocks, p: tuple) -> torch.Tensor:
     return s_G[r0 // b.h, torch.arange(c0, c1, device=s_G.device) // b.w]
 
 
+def _kernels(t: torch.Tensor):
+    """``triton_block_quant`` where it runs for ``t``: Triton stores E4M3 from SM 8.9 on (emulated FP8 runs below)."""
+    tk = load("triton_block_quant", t)
+    if tk is not None and t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
+        return None
+    return tk
+
+
 def _rows_on_kernel(tk, b: Blocks, p: tuple) -> bool:
     """Whether piece ``p`` is whole rows that the Triton kernels take in single-block tiles."""
     return tk is not None and p[3] - p[2] == b.C and tk.tiles_fit(p[1] - p[0], p[0], b.C, b.h, b.w)
@@ -113,7 +121,7 @@ def _rows_on_kernel(tk, b: Blocks, p: tuple) -> bool:
 
 def local_amax(x: torch.Tensor, b: Blocks, lo: int, hi: int, amax_G: torch.Tensor) -> None:
     """Max ``|x|`` (elements ``[lo, hi)`` of the flattened weight) into the grid ``amax_G`` per scale block."""
-    tk = load("triton_block_quant", x)
+    tk = _kernels(x)
     at = 0
     for p in _pieces(b, lo, hi):
         r0, r1, c0, c1 = p
@@ -136,7 +144,7 @@ def local_amax(x: torch.Tensor, b: Blocks, lo: int, hi: int, amax_G: torch.Tenso
 def quantize_into(q: torch.Tensor, x: torch.Tensor, b: Blocks, lo: int, hi: int, s_G: torch.Tensor) -> None:
     """``q`` (E4M3, flat) = ``x`` (elements ``[lo, hi)`` of the weight) quantized with the block scales ``s_G``:
     saturated, rounded to nearest, as ``fp8.quantize``. One pass on the Triton kernels."""
-    tk = load("triton_block_quant", x)
+    tk = _kernels(x)
     dtype, fmax = FORMATS[FMT]
     at = 0
     for p in _pieces(b, lo, hi):
@@ -155,7 +163,7 @@ def dequantize_into(out: torch.Tensor, q: torch.Tensor, b: Blocks, lo: int, hi: 
                     table: Optional[torch.Tensor] = None) -> None:
     """``out`` (the weight's dtype, flat) = ``q / scale``, rounded to ``out``'s dtype, as ``fp8.dequantize``.
     ``table``: the blocks' ``triton_block_quant.dequant_table`` for ``out``'s dtype, if made already."""
-    tk = load("triton_block_quant", q)
+    tk = _kernels(q)
     if tk is not None and table is None:
         table = tk.dequant_table(s_G, out.dtype)
     at = 0
@@ -181,16 +189,27 @@ class FP8Weight:
 
 class WeightAmaxes:
     """Each FP8-gathered weight's block amaxes for its current (dequantized) values, by storage: the FP8 GEMMs
-    quantize with these (``FP8Spec.weight_amax``). Emptied whenever the weights change otherwise."""
+    quantize with these (``FP8Spec.weight_amax``) instead of taking them again (a pass over the weight, and an
+    all-reduce over TP for tensorwise ones). The optimizer empties it before it rewrites the weights; an entry is also
+    dropped once the weight or its bucket was written in place since (their version counters), e.g. by a callback.
+    Either way the GEMMs then take the amaxes from the weights, which give the same values for the gathered ones."""
 
     def __init__(self):
-        self._by_ptr: dict[int, torch.Tensor] = {}
+        self._by_ptr: dict[int, tuple] = {}
 
     def get(self, w: torch.Tensor) -> Optional[torch.Tensor]:
-        return self._by_ptr.get(w.data_ptr()) if self._by_ptr else None
+        hit = self._by_ptr.get(w.data_ptr()) if self._by_ptr else None
+        if hit is None:
+            return None
+        amax_G, version, flat, flat_version = hit
+        if w._version != version or flat._version != flat_version:
+            del self._by_ptr[w.data_ptr()]
+            return None
+        return amax_G
 
-    def set(self, w: torch.Tensor, amax_G: torch.Tensor) -> None:
-        self._by_ptr[w.data_ptr()] = amax_G
+    def set(self, w: torch.Tensor, amax_G: torch.Tensor, flat: torch.Tensor) -> None:
+        """``w``'s amaxes, valid while neither ``w`` nor the flat buffer that holds it is written."""
+        self._by_ptr[w.data_ptr()] = (amax_G, w._version, flat, flat._version)
 
     def clear(self) -> None:
         self._by_ptr.clear()
@@ -243,40 +262,45 @@ def plan_bucket(params: list, offsets: list, total: int, world: int, fp8: dict, 
     return BucketPlan(params, fp8, segs, round_up(max(max(sizes), 1), 16), group)
 
 
-def _reduce_amaxes(plan: BucketPlan, me: int, weights: torch.Tensor) -> None:
-    """This step's amax grids of the bucket's FP8 weights: local, then max-reduced over the bucket's group and each
-    weight's TP / ETP group (one all-reduce per group, no host sync)."""
-    order = sorted(plan.fp8)
-    grids = {i: torch.zeros(plan.fp8[i].blocks.grid, dtype=torch.float32, device=weights.device) for i in order}
-    for s in plan.segs[me]:
-        if s.fp8:
-            local_amax(weights[s.buf_lo:s.buf_lo + s.hi - s.lo], plan.fp8[s.index].blocks, s.lo, s.hi,
-                       grids[s.index])
-    flat = torch.cat([grids[i].reshape(-1) for i in order])
-    if plan.group is not None:
-        dist.all_reduce(flat, dist.ReduceOp.MAX, group=plan.group)
-    extra = {}
-    at = 0
-    for i in order:
-        n = grids[i].numel()
-        grids[i] = flat[at:at + n].view(plan.fp8[i].blocks.grid)
-        at += n
-        if plan.fp8[i].group is not None:
-            extra.setdefault(plan.fp8[i].group, []).append(i)
-    for group, idx in extra.items():  # a tensorwise weight split over TP / ETP: one amax over the whole
-        sub = torch.cat([grids[i].reshape(-1) for i in idx])
-        dist.all_reduce(sub, dist.ReduceOp.MAX, group=group)
-        at = 0
-        for i in idx:
-            n = grids[i].numel()
-            grids[i] = sub[at:at + n].view(grids[i].shape)
-            at += n
-    plan.amax = grids
+def reduce_amaxes(plans: list, weights: list, ranks: list) -> None:
+    """This step's amax grids of the FP8 weights of every bucket in ``plans`` (their flat ``weights``, this rank's
+    position ``ranks`` in each group): local, then max-reduced in one all-reduce per bucket group and one per TP / ETP
+    group, before any bucket's all-gather starts (an all-reduce queued behind a bucket's gather on the same
+    communicator would hold the next bucket's quantization until that gather ends). No host sync."""
+    grids = []
+    for plan, w, me in zip(plans, weights, ranks):
+        mine = {i: torch.zeros(plan.fp8[i].blocks.grid, dtype=torch.float32, device=w.device) for i in sorted(plan.fp8)}
+        for s in plan.segs[me]:
+            if s.fp8:
+                local_amax(w[s.buf_lo:s.buf_lo + s.hi - s.lo], plan.fp8[s.index].blocks, s.lo, s.hi, mine[s.index])
+        grids.append(mine)
+    # the same groups in the same order on every rank (bucket order); then TP / ETP, where it splits a tensorwise
+    # weight: its amax spans the whole weight, as the GEMMs reduce it
+    by_group: dict = {}
+    for k, plan in enumerate(plans):
+        by_group.setdefault(plan.group, []).extend((k, i) for i in grids[k])
+    by_extra: dict = {}
+    for k, plan in enumerate(plans):
+        for i in grids[k]:
+            if plan.fp8[i].group is not None:
+                by_extra.setdefault(plan.fp8[i].group, []).append((k, i))
+    for groups in (by_group, by_extra):
+        for group, members in groups.items():
+            flat = torch.cat([grids[k][i].reshape(-1) for k, i in members])
+            if group is not None:
+                dist.all_reduce(flat, dist.ReduceOp.MAX, group=group)
+            at = 0
+            for k, i in members:
+                n = grids[k][i].numel()
+                grids[k][i] = flat[at:at + n].view(grids[k][i].shape)
+                at += n
+    for plan, mine in zip(plans, grids):
+        plan.amax = mine
 
 
 def start(plan: BucketPlan, weights: torch.Tensor, me: int, world: int):
-    """Pack this rank's chunk and launch the all-gather; returns its work handle."""
-    _reduce_amaxes(plan, me, weights)
+    """Pack this rank's chunk (with the amaxes of ``reduce_amaxes``) and launch the all-gather; returns its work
+    handle."""
     out = torch.zeros(world * plan.chunk, dtype=torch.uint8, device=weights.device)
     mine = out[me * plan.chunk:(me + 1) * plan.chunk]
     elem = weights.element_size()
@@ -302,7 +326,7 @@ def finish(plan: BucketPlan, weights: torch.Tensor, amaxes: WeightAmaxes) -> Non
             t.record_stream(stream)
     elem, dtype = weights.element_size(), weights.dtype
     scales = {i: scale_of(a, FMT) for i, a in plan.amax.items()}
-    tk = load("triton_block_quant", weights)
+    tk = _kernels(weights)
     tables = {i: tk.dequant_table(s, dtype) for i, s in scales.items()} if tk is not None else {}
     for r, segs in enumerate(plan.segs):
         chunk = out[r * plan.chunk:(r + 1) * plan.chunk]
@@ -315,4 +339,4 @@ def finish(plan: BucketPlan, weights: torch.Tensor, amaxes: WeightAmaxes) -> Non
             else:
                 dst.copy_(chunk[s.at:s.at + n * elem].view(dtype))
     for i, a in plan.amax.items():
-        amaxes.set(plan.params[i], a)
+        amaxes.set(plan.params[i], a, weights)

@@ -254,6 +254,9 @@ class OptimizerHooks:
 
     def _teardown_optimizer_state(self) -> None:
         if self._sharded is not None:
+            if self._sharded.fp8_gathering():  # training did not end normally: no collective may be safe now
+                rank_zero_warn("FP8Training(fp8_param_gather=True): training ended early, so the model's weights "
+                               "still hold their FP8 values; the checkpoints hold the full ones (the main params)")
             self._sharded.release()
         if self._grad_sync is not None:
             self._grad_sync.release()

@@ -302,8 +302,16 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ the weights after the step
     def _publish(self) -> None:
         """Start each bucket's all-gather (or note its host copies), in forward order."""
+        fp8 = [bk for bk in self.buckets if bk.gather and bk.fp8 is not None]
+        # the FP8 buckets on one stream: the offload side stream if any of them has host slots (their weights arrive
+        # there), whose amaxes are reduced for all of them before the first gather starts
+        fp8_side = self.host.stream if any(bk.has_host for bk in fp8) else None
+        if fp8:
+            with torch.cuda.stream(fp8_side) if fp8_side is not None else nullcontext():
+                fp8_gather.reduce_amaxes([bk.fp8 for bk in fp8], [bk.weights for bk in fp8],
+                                         [self.ctx.rank(bk.sync.group_name) for bk in fp8])
         for bk in self.buckets:
-            side = self.host.stream if bk.has_host else None
+            side = fp8_side if bk.gather and bk.fp8 is not None else self.host.stream if bk.has_host else None
             if bk.gather:
                 lo, hi = bk.sync.owned
                 name = bk.sync.group_name
@@ -356,6 +364,10 @@ class ShardedOptimizer:
                 count += len(fp8)
         self.fp8_amaxes = amaxes
         return count
+
+    def fp8_gathering(self) -> bool:
+        """Whether some bucket's weights travel (and so are held) in FP8 now."""
+        return any(bk.fp8 is not None for bk in self.buckets)
 
     def _weights_change(self) -> None:
         """The weights are about to be rewritten: the published FP8 amaxes no longer describe them."""
@@ -437,6 +449,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def load_from_state_dict(self, module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         """Set every main copy from a checkpoint's (fp32) values."""
+        self.wait_all()  # a gather still in flight must not land on the loaded weights
         self._weights_change()
         for s in self.slots:
             if s.is_view:

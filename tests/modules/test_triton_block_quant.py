@@ -17,7 +17,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=4)
+    run_interpreted(__file__, timeout=600, passed=5)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -60,3 +60,17 @@ def test_slices_match_the_whole_tensor(recipe, grouped, monkeypatch):
     assert not bad.any(), f"{int(bad.sum())} bytes differ"
     assert torch.equal(d, dequantize(q_ref, s_ref, t).to(torch.bfloat16).reshape(-1))
     assert {"rows_amax", "rows_quantize", "rows_dequantize", "quantize_slice", "dequantize_slice"} <= set(calls)
+
+
+@inside
+def test_nan_reaches_the_amax():
+    """A NaN weight makes its block's amax NaN, as torch's amax does (the whole block then quantizes to NaN)."""
+    from lightning_moe.modules import triton_block_quant as tk
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    x[40, 200] = float("nan")
+    amax = torch.zeros(2, 2)
+    tk.rows_amax(x.reshape(-1), amax, 0, 256, 32, 128)
+    want = x.float().abs().reshape(2, 32, 2, 128).amax((1, 3))
+    assert want[1, 1].isnan() and amax[1, 1].isnan()
+    others = [0, 0, 1], [0, 1, 0]
+    assert torch.equal(amax[others], want[others])

@@ -90,3 +90,20 @@ def test_refusals(tokens, tmp_path):
         _fit(tokens, tmp_path, MoEFoldStrategy(distributed_optimizer=True), "32-true")
     with pytest.warns(UserWarning, match="no FP8 weight is all-gathered in this layout"):
         _fit(tokens, tmp_path, MoEFoldStrategy(distributed_optimizer=True), "bf16-true")  # one rank: nothing to do
+
+
+def test_published_amaxes_lapse_when_the_weight_is_written():
+    """A preset is dropped once the weight, or the flat buffer that holds it, is written in place: the GEMMs then
+    take the amaxes from the weights (a callback's new weights must not be quantized with old scales)."""
+    from lightning_moe.strategy.fp8_param_gather import WeightAmaxes
+    flat = torch.randn(64)
+    p = torch.nn.Parameter(flat[:32].view(4, 8), requires_grad=False)
+    amaxes, a = WeightAmaxes(), torch.ones(1, 1)
+    amaxes.set(p, a, flat)
+    assert amaxes.get(p) is a and amaxes.get(p.detach()) is a
+    with torch.no_grad():
+        p.mul_(2)
+    assert amaxes.get(p) is None
+    amaxes.set(p, a, flat)
+    flat[40:].zero_()  # the bucket's buffer
+    assert amaxes.get(p) is None
