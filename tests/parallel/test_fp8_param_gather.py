@@ -29,6 +29,9 @@ DIST = dict(distributed_optimizer=True)
 # a lost or doubled slice, or a wrong scale, moves them by O(1)
 TOL = {"loss": 1e-3, "grads_norm": 3e-2, "state_norm": 3e-2}
 TP_TOL = dict(TOL, grads_norm=1e-1, state_norm=5e-2)
+# PP2: the reference runs each DP shard's micro-batches as its own, and per-tensor FP8 scales then differ from the
+# pipeline's (measured 0.28 in the gradients' difference norm, the same with the option off): only on against off
+PP_TOL = None
 
 
 def _parallel() -> bool:
@@ -80,15 +83,16 @@ class GatherProbe(L.Callback):
                     "the full weights did not come back"
 
 
-def _case(name, world, recipe, gather, strategy=DIST, tol=TOL, **kw):
-    return Case(name, world, model=MODEL, precision="bf16-true", lr=1e-3, tol=tol, strategy=strategy,
+def _case(name, world, recipe, gather, strategy=DIST, tol=TOL, model=MODEL, **kw):
+    return Case(name, world, model=model, precision="bf16-true", lr=1e-3, tol=tol, strategy=strategy,
                 callbacks=(partial(_fp8, recipe, gather), *((GatherProbe,) if gather else ())), **kw)
 
 
 PAIRS = [("dp2_tensorwise", 2, "tensorwise", {}), ("dp2_blockwise", 2, "blockwise", {}),
          ("tp2_dp2_tensorwise", 4, "tensorwise", dict(tp=2, tol=TP_TOL)),
          ("ep2_edp2_offload_tensorwise", 4, "tensorwise",
-          dict(ep=2, strategy=dict(DIST, optimizer_cpu_offload=0.5, bucket_size_mb=0.05)))]
+          dict(ep=2, strategy=dict(DIST, optimizer_cpu_offload=0.5, bucket_size_mb=0.05))),
+         ("pp2_dp2_tensorwise", 4, "tensorwise", dict(pp=2, m=2, tol=PP_TOL, model=dict(MODEL, num_layers=4)))]
 CASES = runnable([c for name, world, recipe, kw in PAIRS
                   for c in (_case(name, world, recipe, True, **kw), _case(name + "_bf16_gather", world, recipe, False,
                                                                           **kw))])
@@ -101,7 +105,8 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.name.endswith("_bf16_gather")], ids=lambda c: c.name)
 def test_fp8_param_gather_is_bit_identical(results, case):
-    check_case(case, results[case.name], TOL)
+    if case.tol is not None:
+        check_case(case, results[case.name], TOL)
     for rank, (on, off) in enumerate(zip(results[case.name], results[case.name + "_bf16_gather"])):
         assert on["losses"] == off["losses"], (rank, on["losses"], off["losses"])
         assert on["digest"] == off["digest"], f"{case.name} rank {rank}: gradients or main params differ"

@@ -35,6 +35,10 @@ def _fit(world, tokens, root, steps, strategy_kw, ckpt=None, save=False, batch=4
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1))
     kw = dict(strategy_kw or {})
     precision = kw.pop("precision", "32-true")  # a Trainer argument, carried in the case's dict
+    fp8 = kw.pop("fp8", None)  # FP8Training's arguments, carried alike
+    if fp8 is not None:
+        from lightning_moe import FP8Training
+        callbacks.append(FP8Training(**fp8))
     strategy = MoEFoldStrategy(timeout=60, **kw) if strategy_kw is not None else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         precision=precision,
@@ -60,8 +64,13 @@ def _resume(rank, world, tokens, root, strategy_kw):
                                                # moments are saved from their slices (half of them offloaded)
                                                (2, dict(expert_parallel_size=2, distributed_optimizer=True,
                                                         optimizer_cpu_offload=0.5, exp_avg_sq_dtype="bf16",
-                                                        precision="bf16-true"))],
-                         ids=["one_process", "moe_fold_ep2", "moe_fold_pp2", "moe_fold_ep2_dist_offload_bf16"])
+                                                        precision="bf16-true")),
+                                               # the weights between steps hold their FP8 values, the checkpoint
+                                               # the full ones: the GEMMs quantize either to the same bytes
+                                               (2, dict(distributed_optimizer=True, precision="bf16-true",
+                                                        fp8=dict(recipe="tensorwise", fp8_param_gather=True)))],
+                         ids=["one_process", "moe_fold_ep2", "moe_fold_pp2", "moe_fold_ep2_dist_offload_bf16",
+                              "moe_fold_dp2_fp8_param_gather"])
 def test_resume_is_exact(tmp_path, world, strategy_kw):
     tokens = make_tokens(str(tmp_path / "tokens.bin"))
     for full, resumed in run_ranks(_resume, world, tokens, str(tmp_path), strategy_kw, out_dir=str(tmp_path / "o")):
