@@ -1,22 +1,24 @@
 """FP8 parameter all-gather (Megatron's ``--fp8-param-gather``): the distributed optimizer's weight all-gather sends
 the weights of the FP8 GEMMs as E4M3 bytes, one per element instead of bf16's two.
 
-After the step each rank holds the new bf16 weights of its slice of every bucket. For a bucket with FP8 weights:
+After the step each rank holds the new bf16 weights of its slice of every bucket. For the buckets with FP8 weights:
 
-1. each rank takes the amax of its slice of each FP8 weight per scale block of the recipe (``Blocks``: one block per
-   weight or per expert for tensorwise, 128 x 128 tiles for blockwise). The amaxes are max-reduced over the bucket's
-   group, then over TP / ETP where those split a tensorwise weight, as the GEMMs reduce them;
-2. it quantizes its slice with those scales into one byte chunk: the bf16 bytes of the bucket's other parameters,
-   then the FP8 bytes. The chunks, padded to the largest, are all-gathered;
-3. every rank unpacks every chunk: bf16 bytes are copied, FP8 ones dequantized (``q / scale``) into the bf16 weights.
-   Each weight's amaxes are published (``WeightAmaxes``) to the FP8 GEMMs, which quantize the dequantized weight
-   with them and so get the gathered bytes back exactly. An E4M3 value divided by its scale and rounded to bf16
-   (8 significant bits) stays within 2^-8 of it, far inside half an E4M3 step (at least 1/30 of the value), and the
-   same amax gives the same scale.
+1. ``reduce_amaxes``: each rank takes the amax of its slice of each FP8 weight per scale block of the recipe
+   (``Blocks``: one block per weight or per expert for tensorwise, 128 x 128 tiles for blockwise). They are
+   max-reduced over each bucket group, then over TP / ETP where those split a tensorwise weight, as the GEMMs reduce
+   them: one all-reduce per group for all buckets, before any gather;
+2. ``start``: each rank quantizes its slice of a bucket with those scales into one byte chunk (the bf16 bytes of the
+   bucket's other parameters, then the FP8 bytes); the chunks, padded to the largest, are all-gathered;
+3. ``finish`` (before the bucket's first use): every chunk is unpacked, bf16 bytes copied and FP8 ones dequantized
+   (``q / scale``) into the bf16 weights, and the amaxes are published (``WeightAmaxes``) to the FP8 GEMMs, which
+   quantize with them instead of taking them again. They get the gathered bytes back exactly: an E4M3 value divided
+   by its scale and rounded to bf16 (8 significant bits) stays within 2^-8 of it, far inside half an E4M3 step (at
+   least 1/30 of the value). The dequantized weight's own amax is the published one too (the amax was a bf16 value,
+   and its element comes back as itself), so a GEMM that takes it anew gets the same scale.
 
 A step's numbers are thus those of FP8 training without it, bit for bit. Between steps the model's weights hold their
-FP8 values; the fp32 main params keep the full ones (checkpoints store those), and ``restore`` writes them back into
-the model when training ends.
+FP8 values; the fp32 main params keep the full ones (checkpoints store those), and
+``ShardedOptimizer.restore_weights`` writes them back into the model when training ends.
 
 Shapes: a weight is seen as an (R, C) row-major matrix: a dense weight as (N, K), the experts' (L, K, N) as
 (L * K, N).
