@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the GPU machine: build DeepGEMM's C++ module in place from .deepgemm/src (benchmarks/prepare_deepgemm.sh), as
+# its develop.sh does, so that `import deep_gemm` works with PYTHONPATH=.deepgemm/src. Its kernels compile at run time
+# with nvcc (JIT), into $DG_JIT_CACHE_DIR.
+set -euo pipefail
+SRC=$(cd "${1:-.deepgemm/src}" && pwd)
+cd "$SRC"
+ln -sfn "$SRC/third-party/cutlass/include/cutlass" deep_gemm/include/cutlass
+ln -sfn "$SRC/third-party/cutlass/include/cute" deep_gemm/include/cute
+if ! ls deep_gemm/_C*.so >/dev/null 2>&1; then
+  DG_USE_LOCAL_VERSION=0 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} python3 setup.py build > build.log 2>&1 \
+    || { tail -30 build.log; exit 1; }
+  ln -sf "$(find "$SRC/build" -name '_C*.so' | head -1)" deep_gemm/
+fi
+ls deep_gemm/_C*.so
