@@ -1,6 +1,7 @@
 """Probe (not wired into the library): DeepGEMM's FP8 m-grouped GEMM (1 x 128 activation and 128 x 128 weight scales:
 the blockwise recipe) at our expert shapes, against torch's bf16 ``grouped_mm`` and rowwise ``_scaled_grouped_mm`` on
-the same rows. It decides whether DeepGEMM can carry the FP8 block targets of issue 19, where torch 2.11's FP8
+the same rows; and its k-grouped wgrad GEMM (``dW_g = x_g^T dy_g``, 1 x 128 scales along the tokens) against torch's
+bf16 one. It decides whether DeepGEMM can carry the FP8 block targets of issue 19, where torch 2.11's FP8
 grouped kernel reaches 1.2x bf16 at Qwen3's shape.
 
 Needs DeepGEMM built in place (``benchmarks/prepare_deepgemm.sh`` here, ``benchmarks/build_deepgemm.sh`` there). Uses
@@ -77,6 +78,40 @@ def probe(name: str, groups: int, per: int, n: int, k: int) -> dict:
     return out
 
 
+def probe_wgrad(name: str, groups: int, per: int, n: int, k: int) -> dict:
+    """dW_g (k x n) = x_g^T dy_g over each expert's ``per`` tokens: DeepGEMM's m x n output per group is our K x N."""
+    import deep_gemm
+    from deep_gemm.testing import bench_kineto, calc_diff
+    from deep_gemm.utils import align, set_mk_alignment_for_contiguous_layout
+    from generators import MajorTypeAB, generate_k_grouped_contiguous
+    out = {"shape": name + "_wgrad", "groups": groups, "rows_per_group": per, "N": n, "K": k}
+    set_mk_alignment_for_contiguous_layout(128)
+    ks = [align(per, 128)] * groups
+    major = MajorTypeAB.KMajor if torch.cuda.get_device_capability()[0] == 9 else MajorTypeAB.MNMajor
+    kgemm = deep_gemm.k_grouped_fp8_gemm_nt_contiguous if major == MajorTypeAB.KMajor else \
+        deep_gemm.k_grouped_fp8_gemm_tn_contiguous
+    total, a, b, c, d, ref, layout, _ = generate_k_grouped_contiguous(
+        groups, k, n, major, major, ks, use_ue8m0=major != MajorTypeAB.KMajor, gran_k=128)
+    flops = 2 * total * n * k
+    try:
+        def run():
+            kgemm(a, b, d, ks, layout, c, recipe=(1, 1, 128))
+
+        run()  # accumulates into c (= d): the error is checked on a fresh accumulation
+        out["deepgemm_fp8_tflops"] = flops / bench_kineto(run, "gemm_", suppress_kineto_output=True) / 1e12
+        total, a, b, c, d, ref, layout, _ = generate_k_grouped_contiguous(
+            groups, k, n, major, major, ks, use_ue8m0=major != MajorTypeAB.KMajor, gran_k=128)
+        run()
+        out["deepgemm_fp8_diff"] = float(calc_diff(d, ref))
+    except Exception:  # noqa: BLE001
+        out["deepgemm_fp8_error"] = traceback.format_exc()[-600:]
+    x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    offs = torch.cumsum(torch.tensor(ks, device="cuda"), 0).to(torch.int32)
+    out["torch_bf16_tflops"] = flops / _events(lambda: F.grouped_mm(x.t(), dy, offs=offs)) / 1e12
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES))
@@ -86,11 +121,12 @@ def main(argv=None) -> None:
     sys.path[:0] = [src, os.path.join(src, "tests")]
     records = []
     for name in a.shapes.split(","):
-        try:
-            records.append(probe(name, *SHAPES[name]))
-        except Exception:  # noqa: BLE001
-            records.append({"shape": name, "error": traceback.format_exc()[-800:]})
-        print(json.dumps(records[-1]), flush=True)
+        for fn in (probe, probe_wgrad):
+            try:
+                records.append(fn(name, *SHAPES[name]))
+            except Exception:  # noqa: BLE001
+                records.append({"shape": name, "probe": fn.__name__, "error": traceback.format_exc()[-800:]})
+            print(json.dumps(records[-1]), flush=True)
     text = json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records},
                       indent=1)
     if a.out:
