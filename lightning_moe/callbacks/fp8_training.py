@@ -8,8 +8,10 @@ Megatron's names: ``tensorwise`` (current scaling), ``delayed`` (amax history), 
 
 Dense GEMMs run on ``torch._scaled_mm`` for tensorwise and rowwise scales (GPUs of compute capability 8.9+, and the
 CPU) and emulated otherwise. The experts' grouped GEMMs run on ``torch._scaled_grouped_mm`` on Hopper (E4M3 operands
-with row and column scales: the tensorwise, delayed and rowwise recipes; gradients too with ``fp8_format="e4m3"``)
-and emulated otherwise (quantized, dequantized, multiplied in fp32). The log says which path each GEMM took.
+with row and column scales: the tensorwise, delayed and rowwise recipes; gradients too with ``fp8_format="e4m3"``),
+the blockwise recipe's forward and dgrad on DeepGEMM where it is installed (``modules/fp8_deepgemm.py``, which also
+runs the blockwise dense GEMMs), and emulated otherwise (quantized, dequantized, multiplied in fp32). The log says
+which path each GEMM took.
 
 ``fp8_dispatch=True`` also sends the tokens of the ``alltoall`` dispatcher's dispatch all-to-all in E4M3, one fp32
 scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the bytes of bf16 on the wire.
@@ -25,6 +27,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
+from lightning_moe.modules import fp8_deepgemm
 from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
 from lightning_moe.modules.dispatchers import AllToAllDispatcher
 from lightning_moe.modules.fp8 import FAST_ACCUM, RECIPES
@@ -141,15 +144,22 @@ class FP8Training(L.Callback):
             d.fp8_dispatch = True
         self._dispatchers = dispatchers
         grouped = [g for g in targets if g.grouped]
-        dense = "emulated" if emulate or self.recipe == "blockwise" else "torch._scaled_mm"
+        dense = "emulated" if emulate else "torch._scaled_mm" if self.recipe != "blockwise" else \
+            "DeepGEMM" if fp8_deepgemm.available(device) else "emulated"
         on_kernel = sum(not emulate and grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in grouped)
-        backward = "" if not on_kernel or self._spec(grouped[0], None).formats()[1] == "e4m3" else \
+        e4m3 = not grouped or self._spec(grouped[0], None).formats() == ("e4m3", "e4m3")
+        on_dg = sum(not emulate and e4m3 and fp8_deepgemm.eligible(self.recipe, g.K, g.N, device) for g in grouped)
+        backward = "" if not on_kernel or e4m3 else \
             " (their backward emulated: no E5M2 grouped kernel; fp8_format='e4m3' runs it on the kernel)"
+        kernel = f"{on_kernel} on torch._scaled_grouped_mm{backward}" if not on_dg else \
+            f"{on_dg} on DeepGEMM (wgrad on bf16 tensor cores with the recipe's quantization)"
         rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - len(grouped)} dense GEMMs ({dense}), "
-                       f"{len(grouped)} expert grouped GEMMs ({on_kernel} on torch._scaled_grouped_mm{backward}, "
-                       f"{len(grouped) - on_kernel} emulated)"
+                       f"{len(grouped)} expert grouped GEMMs ({kernel}, {len(grouped) - on_kernel - on_dg} emulated)"
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
                        + f"; fast accumulation: {self.fast_accum}"
+                       + (f"; DeepGEMM unavailable ({fp8_deepgemm.unavailable(device)})"
+                          if self.recipe == "blockwise" and not emulate and device.type == "cuda"
+                          and fp8_deepgemm.unavailable(device) else "")
                        + (f"; {n_gathered} weights all-gathered in FP8 (summed over the ranks)" if sharded else ""))
         if sharded is not None and not n_gathered:
             rank_zero_warn("FP8Training(fp8_param_gather=True): no FP8 weight is all-gathered in this layout (each "

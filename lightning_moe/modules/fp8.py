@@ -150,10 +150,15 @@ def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, ta: Tiling, tb: Tiling, fmt_a
            out_dtype: torch.dtype, emulate: bool = False, amax_a: Optional[torch.Tensor] = None,
            amax_b: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b^T`` with both operands quantized to FP8 along K. ``torch._scaled_mm`` for tensorwise and rowwise
-    tilings (CUDA and CPU), emulated otherwise or when ``emulate``. ``fast_accum``: the kernel's fast accumulation
+    tilings (CUDA and CPU), DeepGEMM for blockwise tilings where it runs (``fp8_deepgemm.dense_mm``), emulated
+    otherwise or when ``emulate``. ``fast_accum``: the kernel's fast accumulation
     (Hopper keeps fewer bits in its tensor-core accumulators; see ``FAST_ACCUM``)."""
     qa, sa = quantize(a_MK, fmt_a, ta, amax_a)
     qb, sb = quantize(b_NK, fmt_b, tb, amax_b)
+    if not emulate and ta.cols is not None:  # blockwise tiles: DeepGEMM, where it runs
+        from lightning_moe.modules import fp8_deepgemm
+        if fp8_deepgemm.dense_runs(a_MK, ta, tb, (fmt_a, fmt_b)):
+            return fp8_deepgemm.dense_mm(qa, sa, qb, sb, tb, out_dtype)
     scale_a, scale_b = _kernel_scales(ta, sa, True), _kernel_scales(tb, sb, False)
     kernel = not emulate and scale_a is not None and scale_b is not None and (fmt_a, fmt_b) != ("e5m2", "e5m2")
     if kernel and scale_a.ndim == scale_b.ndim:

@@ -206,10 +206,14 @@ class _FP8GroupedMM(torch.autograd.Function):
 def fp8_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec
                    ) -> torch.Tensor:
     """The experts' grouped GEMM in FP8: on ``torch._scaled_grouped_mm`` where it runs (``fp8_grouped_kernels``),
-    emulated otherwise or when ``spec.emulate``."""
+    the blockwise recipe on DeepGEMM where it is installed (``fp8_deepgemm``), emulated otherwise or when
+    ``spec.emulate``."""
+    from lightning_moe.modules import fp8_deepgemm
     from lightning_moe.modules import fp8_grouped_kernels as kernels
     if not spec.emulate and kernels.runs(spec, x_MK, w_LKN):
         return kernels.scaled_grouped_mm(x_MK, w_LKN, offs_L, spec)
+    if not spec.emulate and fp8_deepgemm.runs(spec, x_MK, w_LKN):
+        return fp8_deepgemm.grouped_mm(x_MK, w_LKN, offs_L, spec)
     return _FP8GroupedMM.apply(x_MK, w_LKN, offs_L, spec)
 
 

@@ -1,0 +1,210 @@
+"""The blockwise recipe's GEMMs on DeepGEMM's FP8 kernels (Hopper, where ``deep_gemm`` imports): the experts' on its
+m-grouped kernel, the dense linears' on its dense one (``dense_mm``).
+
+DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` multiplies E4M3 operands with DeepSeek-V3's scales (1 x 128 tiles of
+A, 128 x 128 blocks of B), promoting the partial sums to fp32 at every 128-wide step of the reduction. On an H100 it
+ran at 1.9-2.0x torch's bf16 grouped GEMM at the Qwen3 and Mixtral expert shapes (``benchmarks/probe_deepgemm.py``).
+
+  GEMM     A (K-major)                         B (K-major)                             rows
+  forward  x (P, K), 1 x 128 along K           W^T (L, N, K), 128 x 128                 P: each expert's rows start on
+  dgrad    dy (P, N), 1 x 128 along N          W (L, K, N), the same blocks            a 128-row boundary (-1 rows
+  wgrad    x^T dy per expert on torch's bf16 grouped GEMM, each operand quantized      between experts are skipped)
+           over 128-token tiles (128 x 1) and dequantized to bf16
+
+The wgrad GEMM keeps the recipe's quantization but multiplies on bf16 tensor cores: DeepGEMM's k-grouped FP8 kernel
+takes the experts' token counts on the host (a host sync per GEMM) and ran at 0.54x bf16 at Qwen3's shape.
+
+The quantization is the emulation's (``fp8_grouped.py``): the same tiles, amaxes, scales and saturation, so the two
+differ in how they accumulate and in the bf16 rounding of the dequantized wgrad operands, as the emulation's own CUDA
+path rounds them (``fp8_grouped.on_kernel``). The tiles never straddle ranks, so no amax is reduced. The activation
+tiles come from one Triton pass per operand (``triton_fp8_blockwise``), which also writes the wgrad operand; the
+weights' blocks, both layouts, once per optimizer step (``FP8Spec.cached_weight``). ``LMOE_DEEPGEMM=0`` turns the path
+off (the emulation runs), for comparisons.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_moe.modules.expert_padding import padded_layout
+from lightning_moe.modules.fp8 import _TINY, BLOCK, FORMATS, Tiling, scale_of
+from lightning_moe.modules.fp8_linear import FP8Spec
+from lightning_moe.modules.kernels import load
+
+ENABLED = os.environ.get("LMOE_DEEPGEMM", "1") != "0"
+_IMPORTED: dict[str, Optional[ModuleType]] = {}  # a cache of the imported module, not state
+
+
+def deep_gemm() -> Optional[ModuleType]:
+    """DeepGEMM, if it imports and lays experts out on 128-row boundaries (its SM 9.0 contiguous layout); else None
+    (``unavailable()`` says why)."""
+    if "deep_gemm" not in _IMPORTED:
+        try:
+            dg = importlib.import_module("deep_gemm")
+            align = dg.get_theoretical_mk_alignment_for_contiguous_layout()
+            why = None if align == BLOCK else f"its contiguous layout aligns experts to {align} rows, not {BLOCK}"
+        except Exception as e:  # noqa: BLE001 - not installed, or built for another CUDA/torch: the emulation runs
+            dg, why = None, f"import deep_gemm failed: {type(e).__name__}: {e}"
+        _IMPORTED["deep_gemm"] = dg if why is None else None
+        _IMPORTED["why"] = why
+    return _IMPORTED["deep_gemm"]
+
+
+def unavailable(device: torch.device) -> Optional[str]:
+    """Why DeepGEMM does not run here (None: it does)."""
+    if not ENABLED:
+        return "LMOE_DEEPGEMM=0"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not an SM 9.0 GPU"
+    return None if deep_gemm() is not None else _IMPORTED["why"]
+
+
+def available(device: torch.device) -> bool:
+    return unavailable(device) is None
+
+
+def eligible(recipe: str, K: int, N: int, device: torch.device) -> bool:
+    """Whether a K x N expert GEMM runs on DeepGEMM: the blockwise recipe, 128-multiple dims, SM 9.0, DeepGEMM."""
+    return recipe == "blockwise" and K % BLOCK == 0 and N % BLOCK == 0 and available(device)
+
+
+def runs(spec: FP8Spec, x_MK: torch.Tensor, w_LKN: torch.Tensor) -> bool:
+    return spec.formats() == ("e4m3", "e4m3") and eligible(spec.recipe, *w_LKN.shape[1:], x_MK.device)
+
+
+class Rows(NamedTuple):
+    """M routed rows (sorted by expert) in DeepGEMM's contiguous layout of P rows."""
+    dest_M: torch.Tensor  # each row's place
+    src_P: torch.Tensor  # each place's row, -1 for padding (int32)
+    layout_P: torch.Tensor  # each place's expert, -1 for padding (int32): DeepGEMM skips those rows
+    poffs_L: torch.Tensor  # the padded cumulative ends
+
+
+def rows_of(offs_L: torch.Tensor, M: int) -> Rows:
+    """On the device, no host sync. Rows past ``offs_L[-1]`` (dropped or foreign) get no place that a GEMM reads."""
+    dest_M, poffs_L, gid_M, P = padded_layout(offs_L, M, BLOCK)
+    rows_M = torch.arange(M, device=offs_L.device)
+    valid_M = rows_M < offs_L[-1].to(torch.int64)
+    src_P = torch.full((P,), -1, dtype=torch.int32, device=offs_L.device)
+    src_P.index_put_((dest_M,), torch.where(valid_M, rows_M, -1).to(torch.int32))
+    layout_P = torch.full((P,), -1, dtype=torch.int32, device=offs_L.device)
+    layout_P.index_put_((dest_M,), torch.where(valid_M, gid_M, -1).to(torch.int32))
+    return Rows(dest_M, src_P, layout_P, poffs_L)
+
+
+def tiles_reference(x_MK: torch.Tensor, src_P: torch.Tensor, fmt: str, wgrad: bool, wgrad_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``x``'s rows at their places (zeros where ``src`` is -1), quantized in 1 x 128 tiles: (q (P, K), the
+    dequantization scales (K / 128, P)); and, with ``wgrad``, quantized in 128 x 1 tiles (128 places of a column) and
+    dequantized (times the reciprocal scale, as a GEMM applies it), in ``wgrad_dtype``."""
+    dtype, fmax = FORMATS[fmt]
+    P, K = src_P.numel(), x_MK.shape[1]
+    x_PK = torch.where((src_P >= 0).unsqueeze(1), x_MK[src_P.clamp(min=0).long()], 0).float()
+    amax = x_PK.abs().reshape(P, K // BLOCK, BLOCK).amax(2, keepdim=True)
+    scale = scale_of(amax, fmt)
+    q = (x_PK.reshape(P, K // BLOCK, BLOCK) * scale).clamp(-fmax, fmax).to(dtype).reshape(P, K)
+    sf = scale.reciprocal().reshape(P, K // BLOCK).t().contiguous()
+    if not wgrad:
+        return q, sf, None
+    cols = x_PK.reshape(P // BLOCK, BLOCK, K)
+    scale_c = scale_of(cols.abs().amax(1, keepdim=True), fmt)
+    w = ((cols * scale_c).clamp(-fmax, fmax).to(dtype).float() * scale_c.reciprocal()).reshape(P, K).to(wgrad_dtype)
+    return q, sf, w
+
+
+def weight_blocks_reference(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert weight in 128 x 128 blocks: (q (L, K, N), q transposed (L, N, K), dequantization scales
+    (L, K / 128, N / 128)). ``amax``: the blocks' amaxes as (L * K / 128, N / 128), where given."""
+    dtype, fmax = FORMATS[fmt]
+    L, K, N = w_LKN.shape
+    blocks = w_LKN.float().reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK)
+    amax = blocks.abs().amax((2, 4), keepdim=True) if amax is None else \
+        amax.float().reshape(L, K // BLOCK, 1, N // BLOCK, 1)
+    scale = FORMATS[fmt][1] / amax.clamp_min(_TINY)
+    q = (blocks * scale).clamp(-fmax, fmax).to(dtype).reshape(L, K, N)
+    return q, q.transpose(1, 2).contiguous(), scale.reciprocal().reshape(L, K // BLOCK, N // BLOCK)
+
+
+def _tiles(x_MK, rows: Rows, fmt: str, wgrad: bool):
+    kernels = load("triton_fp8_blockwise", x_MK)
+    if kernels is not None:  # places past the last expert's padded end stay undefined: nothing reads them
+        return kernels.tiles(x_MK, rows.src_P, rows.poffs_L[-1:], fmt, wgrad)
+    return tiles_reference(x_MK, rows.src_P, fmt, wgrad, torch.bfloat16 if x_MK.is_cuda else x_MK.dtype)
+
+
+def _weights(w_LKN, fmt: str, amax):
+    kernels = load("triton_fp8_blockwise", w_LKN)
+    return (kernels.weight_blocks if kernels is not None else weight_blocks_reference)(w_LKN, fmt, amax)
+
+
+class _DeepGEMMGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, dg: ModuleType):
+        L, K, N = w_LKN.shape
+        M = x_MK.shape[0]
+        fwd, _ = spec.formats()
+        rows = rows_of(offs_L, M)
+        xq_PK, xs_KP, xw_PK = _tiles(x_MK, rows, fwd, wgrad=w_LKN.requires_grad)
+        wq_LKN, wqt_LNK, ws_LKN = spec.cached_weight(
+            "blocks", w_LKN, lambda: _weights(w_LKN, fwd, spec.weight_amax(w_LKN)))
+        y_PN = xq_PK.new_empty(xq_PK.shape[0], N, dtype=torch.bfloat16)
+        # B = W^T (L, N, K) with its scales as (L, N / 128, K / 128): the (L, K / 128, N / 128) grid transposed
+        dg.m_grouped_fp8_gemm_nt_contiguous((xq_PK, xs_KP.t()), (wqt_LNK, ws_LKN.transpose(1, 2)), y_PN,
+                                            rows.layout_P, disable_ue8m0_cast=True)
+        ctx.save_for_backward(xw_PK, wq_LKN, ws_LKN, *rows)
+        ctx.spec, ctx.dg, ctx.dtypes = spec, dg, (x_MK.dtype, w_LKN.dtype)
+        return y_PN.index_select(0, rows.dest_M).to(x_MK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        xw_PK, wq_LKN, ws_LKN, *saved = ctx.saved_tensors
+        rows = Rows(*saved)
+        _, bwd = ctx.spec.formats()
+        x_dtype, w_dtype = ctx.dtypes
+        want_w = ctx.needs_input_grad[1]
+        dyq_PN, dys_NP, dyw_PN = _tiles(dy_MN, rows, bwd, wgrad=want_w)
+        dx_PK = dyq_PN.new_empty(dyq_PN.shape[0], wq_LKN.shape[1], dtype=torch.bfloat16)
+        # B = W (L, K, N): dgrad reduces over N, which W holds contiguous; the same blocks and scales
+        ctx.dg.m_grouped_fp8_gemm_nt_contiguous((dyq_PN, dys_NP.t()), (wq_LKN, ws_LKN), dx_PK, rows.layout_P,
+                                                disable_ue8m0_cast=True)
+        dx = dx_PK.index_select(0, rows.dest_M).to(x_dtype)
+        dw = F.grouped_mm(xw_PK.t(), dyw_PN, offs=rows.poffs_L.to(torch.int32)).to(w_dtype) if want_w else None
+        return dx, dw, None, None, None
+
+
+def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec,
+               dg: Optional[ModuleType] = None) -> torch.Tensor:
+    """``y_g = x_g W_g`` for each expert: forward and dgrad on DeepGEMM (``dg``: it, or a stand-in with its API),
+    wgrad on torch's bf16 grouped GEMM with the recipe's quantization."""
+    return _DeepGEMMGroupedMM.apply(x_MK, w_LKN, offs_L, spec, dg if dg is not None else deep_gemm())
+
+
+def dense_runs(a_MK: torch.Tensor, ta: Tiling, tb: Tiling, fmts: tuple[str, str]) -> bool:
+    """Whether a dense blockwise GEMM runs on DeepGEMM: 1 x 128 tiles of A with 128 x 128 blocks (forward, dgrad) or
+    1 x 128 tiles (wgrad, along the tokens) of B, E4M3."""
+    return (fmts == ("e4m3", "e4m3") and ta == Tiling(1, BLOCK) and tb in (Tiling(BLOCK, BLOCK), Tiling(1, BLOCK))
+            and available(a_MK.device))
+
+
+def dense_mm(qa_MK: torch.Tensor, sa: torch.Tensor, qb_NK: torch.Tensor, sb: torch.Tensor, tb: Tiling,
+             out_dtype: torch.dtype, dg: Optional[ModuleType] = None) -> torch.Tensor:
+    """``a @ b^T`` of E4M3 operands (row-major, K-major) and their quantization scales per block
+    (``fp8.quantize``'s), on DeepGEMM's dense kernel: 1 x 128 by 128 x 128 (it writes bf16), or 1 x 128 by 1 x 128
+    (its "1D1D" kernel, which accumulates into fp32)."""
+    dg = dg if dg is not None else deep_gemm()
+    a, b = (qa_MK, sa.float().reciprocal()), (qb_NK, sb.float().reciprocal())
+    shape = (qa_MK.shape[0], qb_NK.shape[0])
+    if tb == Tiling(1, BLOCK):
+        d = torch.zeros(shape, device=qa_MK.device, dtype=torch.float32)
+        dg.fp8_gemm_nt(a, b, d, c=d, recipe=(1, 1, BLOCK), disable_ue8m0_cast=True)
+    else:
+        d = torch.empty(shape, device=qa_MK.device, dtype=torch.bfloat16)
+        dg.fp8_gemm_nt(a, b, d, disable_ue8m0_cast=True)
+    return d.to(out_dtype)

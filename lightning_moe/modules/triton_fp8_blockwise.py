@@ -1,0 +1,150 @@
+"""Triton kernels for the blockwise FP8 recipe on DeepGEMM (``fp8_deepgemm.py``): the torch reference's bits
+(``fp8_deepgemm.tiles_reference``, ``weight_blocks_reference``) in one pass each.
+
+tiles     an activation laid out by expert in 128-row groups (row p reads source row src[p]; -1: a zero row), in
+          128 x 128 tiles: q with one scale per row of a tile (1 x 128, for the GEMM that reduces over the features),
+          the dequantization scales as (K / 128, P) (DeepGEMM's MN-major layout), and optionally the wgrad operand:
+          each tile's columns quantized over its 128 rows (128 x 1: the expert's token tiles) and dequantized to bf16
+weights   each expert weight's 128 x 128 blocks: q in the (L, K, N) layout and transposed to (L, N, K), and the
+          dequantization scales (L, K / 128, N / 128); the FP8 parameter all-gather's amaxes where it gave them
+
+Roundings: the scales as ``triton_fp8_quant`` (correctly rounded divisions, no FMA); the casts by the GPU's
+round-to-nearest-even conversions, or under the interpreter in fp32 bit arithmetic, which gives the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_moe.modules.fp8 import _TINY, BLOCK, FORMATS
+from lightning_moe.modules.kernels import interpreting
+from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat, _scale
+
+ROWS = 32  # rows of a 128 x 128 tile in registers at a time
+
+
+@triton.jit
+def _rne_bf16(v):
+    """fp32 ``v`` rounded to the nearest bf16, ties to even, still in fp32 (the cast after it is exact anywhere)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(v, FMAX: tl.constexpr, HW: tl.constexpr):
+    """``v`` saturated (NaN stays) and cast to E4M3, rounded to nearest even: by the GPU's conversion (``HW``), or in
+    fp32 bit arithmetic (the interpreter's own rounding is not torch's)."""
+    if HW:
+        return tl.where(v > FMAX, FMAX, tl.where(v < -FMAX, -FMAX, v)).to(tl.float8e4nv)
+    return _sat(v, FMAX).to(tl.float8e4nv)
+
+
+@triton.jit
+def _bf16(v, HW: tl.constexpr):
+    if HW:
+        return v.to(tl.bfloat16)
+    return _rne_bf16(v).to(tl.bfloat16)
+
+
+@triton.jit
+def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, P, K, FMAX: tl.constexpr, TINY: tl.constexpr,
+                  WGRAD: tl.constexpr, HW: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
+    """One 128 x 128 tile in chunks of R rows: the column amaxes over all its rows first (the chunks' second read
+    comes from L2), then each chunk's row tiles and column-quantized values. Tiles past the last expert's padded end
+    (no GEMM reads them) are left alone."""
+    p0 = tl.program_id(0) * T
+    if p0 < tl.load(end_ptr):
+        cols = tl.program_id(1) * T + tl.arange(0, T)
+        if WGRAD:
+            amax_c = tl.zeros((T,), tl.float32)
+            for r in range(0, T, R):
+                src = tl.load(src_ptr + p0 + r + tl.arange(0, R))
+                x = tl.load(x_ptr + src.to(tl.int64)[:, None] * K + cols[None, :], mask=(src >= 0)[:, None],
+                            other=0.0).to(tl.float32)
+                amax_c = _max_nan(amax_c, tl.reduce(tl.abs(x), 0, _max_nan))
+            scale_c = _scale(amax_c, FMAX, TINY, T)
+            inv_c = tl.math.div_rn(tl.full((T,), 1.0, tl.float32), scale_c)
+        for r in range(0, T, R):
+            p = p0 + r + tl.arange(0, R)
+            src = tl.load(src_ptr + p)
+            x = tl.load(x_ptr + src.to(tl.int64)[:, None] * K + cols[None, :], mask=(src >= 0)[:, None],
+                        other=0.0).to(tl.float32)
+            at = p.to(tl.int64)[:, None] * K + cols[None, :]
+            scale_r = _scale(tl.reduce(tl.abs(x), 1, _max_nan), FMAX, TINY, R)
+            tl.store(q_ptr + at, _e4m3(x * scale_r[:, None], FMAX, HW))
+            tl.store(sf_ptr + tl.program_id(1).to(tl.int64) * P + p,
+                     tl.math.div_rn(tl.full((R,), 1.0, tl.float32), scale_r))
+            if WGRAD:  # dequantized as the GEMMs do: times the reciprocal scale
+                tl.store(w_ptr + at, _bf16(_e4m3(x * scale_c[None, :], FMAX, HW).to(tl.float32) * inv_c[None, :], HW))
+
+
+def tiles(x_MK: torch.Tensor, src_P: torch.Tensor, end: torch.Tensor, fmt: str, wgrad: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``fp8_deepgemm.tiles_reference(x_MK, src_P, fmt, wgrad, torch.bfloat16)``'s values (E4M3: the recipe's) in the
+    places before ``end`` (a one-element tensor: the last expert's padded end); undefined after it."""
+    assert fmt == "e4m3", "the rounding is E4M3's"
+    dtype, fmax = FORMATS[fmt]
+    x_MK = x_MK.contiguous()
+    K, P = x_MK.shape[1], src_P.numel()
+    q = torch.empty(P, K, device=x_MK.device, dtype=dtype)
+    sf = torch.empty(K // BLOCK, P, device=x_MK.device, dtype=torch.float32)
+    w = torch.empty(P, K, device=x_MK.device, dtype=torch.bfloat16) if wgrad else None
+    if P:
+        _tiles_kernel[(P // BLOCK, K // BLOCK)](x_MK, src_P, end, q, sf, w if wgrad else q, P, K, FMAX=fmax,
+                                                TINY=_TINY, WGRAD=wgrad, HW=not interpreting(), T=BLOCK, R=ROWS,
+                                                num_warps=4,
+                                                enable_fp_fusion=False)
+    return q, sf, w
+
+
+@triton.jit
+def _weights_kernel(w_ptr, amax_ptr, q_ptr, qt_ptr, sf_ptr, K, N, FMAX: tl.constexpr, TINY: tl.constexpr,
+                    PRESET: tl.constexpr, HW: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
+    """One 128 x 128 block in chunks of R rows: its amax (unless preset), then each chunk quantized and stored in
+    both layouts."""
+    e, kb, nb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    cols = nb * T + tl.arange(0, T)
+    base = e * K * N
+    block = (e * (K // T) + kb) * (N // T) + nb
+    lane = tl.arange(0, T)
+    if PRESET:
+        amax = tl.load(amax_ptr + block + lane * 0)
+    else:
+        m = tl.zeros((T,), tl.float32)
+        for r in range(0, T, R):
+            rows = kb * T + r + tl.arange(0, R)
+            x = tl.load(w_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :]).to(tl.float32)
+            m = _max_nan(m, tl.reduce(tl.abs(x), 0, _max_nan))
+        amax = tl.zeros((T,), tl.float32) + tl.reduce(m, 0, _max_nan)
+    scale = _scale(amax, FMAX, TINY, T)  # the block's one scale, in every lane
+    for r in range(0, T, R):
+        rows = kb * T + r + tl.arange(0, R)
+        x = tl.load(w_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :]).to(tl.float32)
+        q = _e4m3(x * scale[None, :], FMAX, HW)
+        tl.store(q_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :], q)
+        tl.store(qt_ptr + base + cols.to(tl.int64)[:, None] * K + rows[None, :], tl.trans(q))
+    tl.store(sf_ptr + block + lane * 0, tl.math.div_rn(tl.full((T,), 1.0, tl.float32), scale), mask=lane == 0)
+
+
+def weight_blocks(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_deepgemm.weight_blocks_reference(w_LKN, fmt, amax)``'s values (E4M3)."""
+    assert fmt == "e4m3", "the rounding is E4M3's"
+    dtype, fmax = FORMATS[fmt]
+    w_LKN = w_LKN.contiguous()
+    L, K, N = w_LKN.shape
+    q = torch.empty(L, K, N, device=w_LKN.device, dtype=dtype)
+    qt = torch.empty(L, N, K, device=w_LKN.device, dtype=dtype)
+    sf = torch.empty(L, K // BLOCK, N // BLOCK, device=w_LKN.device, dtype=torch.float32)
+    preset = amax is not None
+    amax = amax.float().contiguous() if preset else sf
+    if L:
+        _weights_kernel[(L, K // BLOCK, N // BLOCK)](w_LKN, amax, q, qt, sf, K, N, FMAX=fmax, TINY=_TINY,
+                                                     PRESET=preset, HW=not interpreting(), T=BLOCK, R=ROWS,
+                                                     num_warps=4,
+                                                     enable_fp_fusion=False)
+    return q, qt, sf

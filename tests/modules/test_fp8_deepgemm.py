@@ -1,0 +1,227 @@
+"""The blockwise recipe on DeepGEMM (``fp8_deepgemm.py``) with CPU stand-ins for its kernels against the emulation.
+The experts' ``m_grouped_fp8_gemm_nt_contiguous`` (its layouts checked: K-major operands, 1 x 128 scales MN-major
+and TMA-aligned, 128 x 128 scales contiguous or transposed, experts on 128-row boundaries, -1 rows skipped) against
+``fp8_grouped._FP8GroupedMM``, and the dense ``fp8_gemm_nt`` against ``fp8_linear``'s emulation: the same quantized
+operands, so forward and dgrad agree to the bf16 output rounding and wgrad to float32 summation order (and an ulp in
+its operands). The real kernels are ``tests/test_gpu_fp8_deepgemm.py``; the Triton quantizers against the references
+here are ``tests/modules/test_triton_fp8_blockwise.py``."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from lightning_moe.modules import fp8_deepgemm as dgm
+from lightning_moe.modules import fp8_grouped
+from lightning_moe.modules.fp8 import FORMATS, Tiling, scale_of
+from lightning_moe.modules.fp8_linear import FP8Spec
+
+L, K, N = 4, 256, 384
+OFFS = [13, 13, 150, 170]  # uneven, one empty expert, one of more than 128 rows; 4 tail rows past the last expert
+M = 174
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-1, 1, K)
+    w = torch.randn(L, K, N, generator=g) * torch.logspace(-3, -1, N)
+    dy = torch.randn(M, N, generator=g) * torch.logspace(-2, 0, N)
+    x[170:], dy[170:] = float("nan"), float("nan")  # tail rows (dropped or foreign copies) hold anything
+    return x, w, dy
+
+
+def _m_grouped_on_cpu(a, b, d, layout, disable_ue8m0_cast):
+    """DeepGEMM's SM 9.0 contract: ``d[p] = A[p] B[g]^T`` for the rows p of expert g = layout[p] >= 0, dequantized by
+    A's per-(row, 128 columns) and B's per-(128 x 128) fp32 scales; rows of -1 untouched."""
+    (aq, sfa), (bq, sfb) = a, b
+    assert aq.dtype == bq.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16 and disable_ue8m0_cast
+    assert layout.dtype == torch.int32 and layout.shape == (aq.shape[0],)
+    P, R = aq.shape
+    G, NN, R2 = bq.shape
+    assert R2 == R and aq.stride(1) == 1 and bq.stride(2) == 1, "K-major A and B"
+    assert sfa.shape == (P, R // 128) and sfa.stride() == (1, P), "1 x 128 scales MN-major (P is 4-aligned)"
+    assert sfb.shape == (G, NN // 128, R // 128) and (sfb.is_contiguous() or sfb.transpose(1, 2).is_contiguous())
+    lay = layout.tolist()
+    for p in range(0, P, 128):  # an expert's rows never share a 128-row block with another's
+        assert len({v for v in lay[p:p + 128] if v >= 0}) <= 1
+    a_f = (aq.float().reshape(P, R // 128, 128) * sfa.reshape(P, R // 128, 1)).reshape(P, R)
+    for g in range(G):
+        rows = layout == g
+        b_f = bq[g].float().reshape(NN // 128, 128, R // 128, 128) * sfb[g][:, None, :, None]
+        d[rows] = (a_f[rows] @ b_f.reshape(NN, R).t()).to(d.dtype)
+
+
+FAKE = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=_m_grouped_on_cpu)
+
+
+def _run(x, w, dy, spec, dg=None):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    y = dgm.grouped_mm(x, w, offs, spec, dg) if dg is not None else fp8_grouped._FP8GroupedMM.apply(x, w, offs, spec)
+    y.backward(dy)
+    return y.detach()[:170], x.grad[:170], w.grad
+
+
+def test_rows_of_lays_experts_on_128_row_boundaries():
+    offs = torch.tensor(OFFS)
+    rows = dgm.rows_of(offs, M)
+    P = rows.src_P.numel()
+    assert P == 256 + 128 * L
+    starts = [0] + OFFS[:-1]
+    pstarts = [0] + rows.poffs_L.tolist()[:-1]
+    assert all(s % 128 == 0 for s in pstarts) and rows.poffs_L.tolist() == [128, 128, 384, 512]
+    for g, (s, e) in enumerate(zip(starts, OFFS)):
+        dest = rows.dest_M[s:e]
+        assert dest.tolist() == list(range(pstarts[g], pstarts[g] + e - s))
+        assert (rows.layout_P[dest] == g).all() and rows.src_P[dest].tolist() == list(range(s, e))
+    assert (rows.layout_P >= 0).sum() == 170 and (rows.src_P >= 0).sum() == 170  # tail rows and padding: -1
+    assert ((rows.layout_P >= 0) == (rows.src_P >= 0)).all()
+
+
+def test_tiles_are_the_emulations_quantization():
+    """1 x 128 tiles along K: the emulation's bytes; 128-token tiles of each expert for wgrad: its dequantized
+    values (to an ulp)."""
+    x, _, _ = _data()
+    offs = torch.tensor(OFFS)
+    rows = dgm.rows_of(offs, M)
+    q, sf, w = dgm.tiles_reference(x, rows.src_P, "e4m3", True, torch.float32)
+    amax = x[:170].abs().reshape(170, K // 128, 128).amax(2, keepdim=True)
+    q_ref, scale = fp8_grouped._cast(x[:170].reshape(170, K // 128, 128), amax, "e4m3")
+    dest = rows.dest_M[:170]
+    assert torch.equal(q[dest].view(torch.uint8), q_ref.reshape(170, K).view(torch.uint8))
+    assert torch.equal(sf.t()[dest], scale.reciprocal().reshape(170, K // 128))
+    gid = fp8_grouped.expert_of_rows(M, offs, x.device)
+    x0 = torch.where((torch.arange(M) < 170).unsqueeze(1), x, 0)
+    w_ref = fp8_grouped._tokens_per_expert(x0, offs, gid, Tiling(1, 128), "e4m3", FP8Spec("blockwise"), "x_t", False)
+    # the emulation divides by the scale, the GEMM path multiplies by its reciprocal: an ulp apart at most
+    torch.testing.assert_close(w[dest], w_ref[:170], rtol=2 ** -22, atol=0)
+    pad = rows.src_P < 0
+    assert not q[pad].float().any() and not w[pad].any()
+
+
+def test_weight_blocks_are_the_emulations_quantization():
+    _, w, _ = _data()
+    q, qt, sf = dgm.weight_blocks_reference(w, "e4m3")
+    blocks = w.reshape(L, K // 128, 128, N // 128, 128)
+    amax = blocks.abs().amax((2, 4), keepdim=True)
+    q_ref, scale = fp8_grouped._cast(blocks, amax, "e4m3")
+    assert torch.equal(q.view(torch.uint8), q_ref.reshape(L, K, N).view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).view(torch.uint8))
+    assert torch.equal(sf, scale.reciprocal().reshape(L, K // 128, N // 128))
+    # the FP8 parameter all-gather's amaxes are used as given (here half the true ones: values saturate)
+    q2, _, sf2 = dgm.weight_blocks_reference(w, "e4m3", (amax / 2).reshape(L * K // 128, N // 128))
+    assert q2.float().abs().max() == FORMATS["e4m3"][1]
+    assert torch.equal(sf2, (scale_of(amax / 2, "e4m3")).reciprocal().reshape(L, K // 128, N // 128))
+
+
+def test_matches_the_emulation():
+    """Forward, dgrad and wgrad through DeepGEMM's layouts equal the emulation of the blockwise recipe."""
+    x, w, dy = _data()
+    spec = FP8Spec("blockwise")
+    mine = _run(x, w, dy, spec, FAKE)
+    emulated = _run(x, w, dy, FP8Spec("blockwise", emulate=True))
+    for a, b in zip(mine[:2], emulated[:2]):  # DeepGEMM writes bf16: one rounding apart at most
+        torch.testing.assert_close(a, b.bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+    # wgrad: the same operands up to an ulp (reciprocal against division), float32 sums in another order
+    assert ((mine[2] - emulated[2]).norm() / emulated[2].norm()).item() < 1e-6
+
+
+def test_transposed_weight_scales_would_be_caught():
+    """The comparison can fail: with the forward's weight-scale grid not transposed (a plausible slip), y differs."""
+    x, w, dy = _data()
+    real = _m_grouped_on_cpu
+
+    def slip(a, b, d, layout, disable_ue8m0_cast):
+        (bq, sfb) = b
+        sq = sfb.transpose(1, 2).contiguous().reshape(sfb.shape) if sfb.shape[1] != sfb.shape[2] else sfb
+        return real(a, (bq, sq), d, layout, disable_ue8m0_cast)
+
+    mine = _run(x, w, dy, FP8Spec("blockwise"), types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=slip))
+    emulated = _run(x, w, dy, FP8Spec("blockwise", emulate=True))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(mine[0], emulated[0].bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_weights_quantized_once_per_step():
+    x, w, dy = _data()
+    spec = FP8Spec("blockwise")
+    spec.step = 0
+    calls = []
+    real = dgm._weights
+    try:
+        dgm._weights = lambda *a: calls.append(1) or real(*a)
+        w = w.requires_grad_()
+        for step in (0, 0, 1):  # two micro-batches of step 0, then step 1
+            spec.step = step
+            dgm.grouped_mm(x, w, torch.tensor(OFFS, dtype=torch.int32), spec, FAKE).backward(dy)
+        assert len(calls) == 2
+    finally:
+        dgm._weights = real
+
+
+def test_fp8_grouped_mm_takes_deepgemm_where_it_runs(monkeypatch):
+    monkeypatch.setattr(dgm, "available", lambda device: True)
+    monkeypatch.setattr(dgm, "deep_gemm", lambda: FAKE)
+    x, w, dy = _data()
+    calls = []
+    monkeypatch.setattr(FAKE, "m_grouped_fp8_gemm_nt_contiguous",
+                        lambda *a, **kw: calls.append(1) or _m_grouped_on_cpu(*a, **kw))
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fp8_grouped.fp8_grouped_mm(xr, wr, torch.tensor(OFFS, dtype=torch.int32), FP8Spec("blockwise")).backward(dy)
+    assert calls == [1, 1]  # forward and dgrad
+    for recipe, emulate in (("rowwise", True), ("blockwise", True)):  # other recipes, and emulate=True: not here
+        calls.clear()
+        fp8_grouped.fp8_grouped_mm(x, w, torch.tensor(OFFS, dtype=torch.int32), FP8Spec(recipe, emulate=emulate))
+        assert calls == []
+
+
+def test_unavailable_without_deepgemm_or_hopper():
+    assert not dgm.available(torch.device("cpu"))
+    assert not dgm.eligible("blockwise", 256, 384, torch.device("cpu"))
+    assert not dgm.runs(FP8Spec("tensorwise"), torch.zeros(1, 256), torch.zeros(1, 256, 384))
+
+
+def _dense_on_cpu(a, b, d, c=None, recipe=None, disable_ue8m0_cast=False):
+    """DeepGEMM's dense SM 9.0 contract: ``d = A B^T (+ c)``, A (M, K) with per-(row, 128 columns) scales, B (N, K)
+    with per-128 x 128 scales (bf16 out) or, with recipe (1, 1, 128), per-(row, 128 columns) ones (fp32 out, ``c``
+    accumulated)."""
+    (aq, sfa), (bq, sfb) = a, b
+    assert aq.dtype == bq.dtype == torch.float8_e4m3fn and disable_ue8m0_cast
+    (M, R), (NN, R2) = aq.shape, bq.shape
+    assert R2 == R and aq.stride(1) == 1 and bq.stride(1) == 1 and sfa.shape == (M, R // 128)
+    a_f = (aq.float().reshape(M, R // 128, 128) * sfa.reshape(M, R // 128, 1)).reshape(M, R)
+    if recipe == (1, 1, 128):
+        assert d.dtype == torch.float32 and c is d and sfb.shape == (NN, R // 128)
+        b_f = (bq.float().reshape(NN, R // 128, 128) * sfb.reshape(NN, R // 128, 1)).reshape(NN, R)
+        d += a_f @ b_f.t()
+        return
+    assert recipe is None and c is None and d.dtype == torch.bfloat16 and sfb.shape == (NN // 128, R // 128)
+    b_f = (bq.float().reshape(NN // 128, 128, R // 128, 128) * sfb[:, None, :, None]).reshape(NN, R)
+    d.copy_(a_f @ b_f.t())
+
+
+def test_dense_linear_matches_the_emulation(monkeypatch):
+    """A blockwise dense linear with DeepGEMM's dense kernel (forward and dgrad 1 x 128 by 128 x 128, wgrad 1 x 128
+    by 1 x 128 along the tokens) equals the emulation."""
+    from lightning_moe.modules.fp8_linear import fp8_linear
+    calls = []
+    fake = types.SimpleNamespace(fp8_gemm_nt=lambda *a, **kw: calls.append(kw.get("recipe")) or _dense_on_cpu(*a, **kw))
+    monkeypatch.setattr(dgm, "available", lambda device: True)
+    monkeypatch.setattr(dgm, "deep_gemm", lambda: fake)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 100, 256, generator=g) * torch.logspace(-1, 1, 256)  # 200 tokens: wgrad pads them to 256
+    w = torch.randn(384, 256, generator=g) * 0.05
+    dy = torch.randn(2, 100, 384, generator=g)
+    out = []
+    for emulate in (True, False):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xx, ww, FP8Spec("blockwise", emulate=emulate))
+        y.backward(dy)
+        out.append((y.detach(), xx.grad, ww.grad))
+    assert calls == [None, None, (1, 1, 128)]  # forward, dgrad, wgrad
+    for a, b in zip(out[1][:2], out[0][:2]):  # bf16 outputs
+        torch.testing.assert_close(a, b.bfloat16().float(), rtol=2 ** -7, atol=1e-6)
+    # wgrad in fp32, dequantized by the reciprocal scales (the emulation divides): an ulp per operand apart
+    assert ((out[1][2] - out[0][2]).norm() / out[0][2].norm()).item() < 1e-6

@@ -1,0 +1,137 @@
+"""The blockwise recipe's expert GEMMs on DeepGEMM (``fp8_deepgemm.py``), on the GPU: skipped without CUDA, SM 9.0
+and an importable ``deep_gemm`` (``benchmarks/prepare_deepgemm.sh`` and ``build_deepgemm.sh``, then
+``PYTHONPATH=.deepgemm/src``). The real kernel against the emulation (the same quantized operands: they differ by
+accumulation order and the bf16 outputs) for the experts' grouped GEMMs and a dense linear, the Triton quantizers
+against their torch references bit for bit, and FP8 training steps (experts and dense layers on DeepGEMM) with no
+host-device sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_moe.modules import fp8_deepgemm as dgm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+deepgemm = pytest.mark.skipif(not torch.cuda.is_available() or not dgm.available(torch.device("cuda")),
+                              reason="needs SM 9.0 and deep_gemm")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _data(L=8, K=512, N=768, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.tensor([300, 0, 17, 513, 128, 77, 1, 1000], device="cuda")[:L]  # uneven, one empty, unaligned
+    offs = counts.cumsum(0).to(torch.int32)
+    M = int(counts.sum()) + 5  # 5 tail rows past the last expert
+    x = (torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-1, 1, K, device="cuda")).bfloat16()
+    w = (torch.randn(L, K, N, device="cuda", generator=g) * 0.05).bfloat16()
+    dy = (torch.randn(M, N, device="cuda", generator=g) * 1e-3).bfloat16()
+    return x, w, dy, offs, int(offs[-1])
+
+
+def _grouped(spec, x, w, dy, offs, valid):
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_grouped_mm(x, w, offs, spec)
+    y.backward(dy)
+    return y[:valid], x.grad[:valid], w.grad
+
+
+@deepgemm
+def test_deepgemm_matches_emulation():
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    x, w, dy, offs, valid = _data()
+    calls = []
+    dg = dgm.deep_gemm()
+    real = dg.m_grouped_fp8_gemm_nt_contiguous
+    try:
+        dg.m_grouped_fp8_gemm_nt_contiguous = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        for _ in range(2):
+            ref = _grouped(FP8Spec("blockwise", emulate=True), x, w, dy, offs, valid)
+            got = _grouped(FP8Spec("blockwise"), x, w, dy, offs, valid)
+            errs = [_rel(a, b) for a, b in zip(got, ref)]
+            assert all(e < 1e-2 for e in errs), errs  # bf16 outputs: ~2^-9 per element
+    finally:
+        dg.m_grouped_fp8_gemm_nt_contiguous = real
+    assert calls == [1, 1] * 2  # forward and dgrad on DeepGEMM
+
+
+@deepgemm
+def test_dense_deepgemm_matches_emulation():
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(2, 1000, 1024, device="cuda", generator=g).bfloat16()  # 2000 tokens: wgrad pads to 2048
+    w = (torch.randn(1536, 1024, device="cuda", generator=g) * 0.05).bfloat16()
+    dy = (torch.randn(2, 1000, 1536, device="cuda", generator=g) * 1e-3).bfloat16()
+    out, calls = [], []
+    dg = dgm.deep_gemm()
+    real = dg.fp8_gemm_nt
+    try:
+        dg.fp8_gemm_nt = lambda *a, **kw: calls.append(kw.get("recipe")) or real(*a, **kw)
+        for emulate in (True, False):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fp8_linear(xx, ww, FP8Spec("blockwise", emulate=emulate))
+            y.backward(dy)
+            out.append((y, xx.grad, ww.grad))
+    finally:
+        dg.fp8_gemm_nt = real
+    assert calls == [None, None, (1, 1, 128)]
+    errs = [_rel(a, b) for a, b in zip(out[1], out[0])]
+    assert all(e < 1e-2 for e in errs), errs
+
+
+@deepgemm
+def test_triton_quantizers_match_references_on_gpu():
+    from lightning_moe.modules import triton_fp8_blockwise as tk
+    x, w, _, offs, _ = _data(K=1024, N=512, seed=1)
+    rows = dgm.rows_of(offs, x.shape[0])
+    end = int(rows.poffs_L[-1])
+    got = tk.tiles(x, rows.src_P, rows.poffs_L[-1:], "e4m3", True)
+    ref = dgm.tiles_reference(x, rows.src_P, "e4m3", True, torch.bfloat16)
+    assert torch.equal(got[0][:end].view(torch.uint8), ref[0][:end].view(torch.uint8))
+    assert torch.equal(got[1][:, :end], ref[1][:, :end])
+    assert torch.equal(got[2][:end].view(torch.int16), ref[2][:end].view(torch.int16))
+    got, ref = tk.weight_blocks(w, "e4m3"), dgm.weight_blocks_reference(w, "e4m3")
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got[:2], ref[:2]))
+    assert torch.equal(got[2], ref[2])
+
+
+@deepgemm
+def test_blockwise_step_on_deepgemm_has_no_host_sync():
+    from tests.test_gpu_fp8 import _model
+
+    from lightning_moe import FP8Training
+    lm = _model(FP8Training("blockwise"))
+    model = lm.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    tokens = torch.randint(0, 512, (4, 257), device="cuda")
+    calls, dense = [], []
+    dg = dgm.deep_gemm()
+    real, real_dense = dg.m_grouped_fp8_gemm_nt_contiguous, dg.fp8_gemm_nt
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits, aux = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    try:
+        dg.m_grouped_fp8_gemm_nt_contiguous = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        dg.fp8_gemm_nt = lambda *a, **kw: dense.append(1) or real_dense(*a, **kw)
+        losses = [step() for _ in range(3)]  # warm up: DeepGEMM compiles its kernels on first use
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            losses.append(step())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        dg.m_grouped_fp8_gemm_nt_contiguous, dg.fp8_gemm_nt = real, real_dense
+    assert calls and dense and all(torch.isfinite(v).item() for v in losses)
+    assert losses[-1].item() < losses[0].item()
