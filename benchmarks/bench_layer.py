@@ -181,13 +181,18 @@ def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
 
 
 def fp8_specs(precision: str) -> tuple:
-    """``fp8-<recipe>[-hybrid][-fastall]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3
+    """``fp8-<recipe>[-hybrid][-fastall][-cached]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3
     gradients unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel; fast accumulation in the
-    forward GEMMs only (``FP8Training``'s default) unless ``-fastall`` (dgrad and wgrad too)."""
+    forward GEMMs only (``FP8Training``'s default) unless ``-fastall`` (dgrad and wgrad too). The weights are
+    quantized in every iteration unless ``-cached``: once, as a model does once per optimizer step for all its
+    micro-batches (``FP8Training(cache_weights=True)``)."""
     parts = precision.split("-")
     recipe, fmt = parts[1], "hybrid" if "hybrid" in parts else "e4m3"
     fast = "all" if "fastall" in parts else "fprop"
-    return (FP8Spec(recipe, fp8_format=fmt, fast_accum=fast), FP8Spec(recipe, fp8_format=fmt, fast_accum=fast))
+    specs = (FP8Spec(recipe, fp8_format=fmt, fast_accum=fast), FP8Spec(recipe, fp8_format=fmt, fast_accum=fast))
+    for spec in specs:
+        spec.step = 0 if "cached" in parts else None
+    return specs
 
 
 def loop_block(x_MD, w13_EDF2, w2_EFD, bounds: list[int]):
@@ -391,8 +396,9 @@ def main(argv=None) -> dict:
     p.add_argument("--unfused", action="store_true",
                    help="router_fusion=False, permute_fusion=False: the torch reference router and permutes")
     p.add_argument("--precision", default="bf16",
-                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid][-fastall] (recipes: " + ", ".join(RECIPES)
-                   + "; -fastall: fast accumulation in dgrad and wgrad too)")
+                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid][-fastall][-cached] (recipes: "
+                   + ", ".join(RECIPES) + "; -fastall: fast accumulation in dgrad and wgrad too; -cached: the "
+                   "weights quantized once, not in every iteration)")
     p.add_argument("--with-loop", action="store_true", help="also time a per-expert Python loop (qwen3 only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU, 2 iterations")
     p.add_argument("--seed", type=int, default=0)
@@ -405,6 +411,7 @@ def main(argv=None) -> dict:
     precisions = [s.strip() for s in args.precision.split(",") if s.strip()]
     valid = {f"fp8-{r}" for r in RECIPES} | {"fp8-tensorwise-hybrid", "fp8-delayed-hybrid"}
     valid |= {f"{v}-fastall" for v in valid}
+    valid |= {f"{v}-cached" for v in valid}
     bad = [s for s in precisions if s != "bf16" and s not in valid]
     if bad:
         p.error(f"unknown --precision {bad}; choose from bf16, {', '.join(sorted(valid))}")
