@@ -146,12 +146,12 @@ def _weights(w_LKN, fmt: str, amax):
 
 class _DeepGEMMGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, dg: ModuleType):
+    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, dg: ModuleType, wgrad: bool):
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         fwd, _ = spec.formats()
         rows = rows_of(offs_L, M)
-        xq_PK, xs_KP, xw_PK = _tiles(x_MK, rows, fwd, wgrad=w_LKN.requires_grad)
+        xq_PK, xs_KP, xw_PK = _tiles(x_MK, rows, fwd, wgrad)
         wq_LKN, wqt_LNK, ws_LKN = spec.cached_weight(
             "blocks", w_LKN, lambda: _weights(w_LKN, fwd, spec.weight_amax(w_LKN)))
         y_PN = xq_PK.new_empty(xq_PK.shape[0], N, dtype=torch.bfloat16)
@@ -168,7 +168,7 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
         rows = Rows(*saved)
         _, bwd = ctx.spec.formats()
         x_dtype, w_dtype = ctx.dtypes
-        want_w = ctx.needs_input_grad[1]
+        want_w = ctx.needs_input_grad[1] and xw_PK is not None
         dyq_PN, dys_NP, dyw_PN = _tiles(dy_MN, rows, bwd, wgrad=want_w)
         dx_PK = dyq_PN.new_empty(dyq_PN.shape[0], wq_LKN.shape[1], dtype=torch.bfloat16)
         # B = W (L, K, N): dgrad reduces over N, which W holds contiguous; the same blocks and scales
@@ -176,14 +176,15 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
                                                 disable_ue8m0_cast=True)
         dx = dx_PK.index_select(0, rows.dest_M).to(x_dtype)
         dw = F.grouped_mm(xw_PK.t(), dyw_PN, offs=rows.poffs_L.to(torch.int32)).to(w_dtype) if want_w else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec,
                dg: Optional[ModuleType] = None) -> torch.Tensor:
     """``y_g = x_g W_g`` for each expert: forward and dgrad on DeepGEMM (``dg``: it, or a stand-in with its API),
     wgrad on torch's bf16 grouped GEMM with the recipe's quantization."""
-    return _DeepGEMMGroupedMM.apply(x_MK, w_LKN, offs_L, spec, dg if dg is not None else deep_gemm())
+    wgrad = torch.is_grad_enabled() and w_LKN.requires_grad  # no wgrad operand in validation or for frozen experts
+    return _DeepGEMMGroupedMM.apply(x_MK, w_LKN, offs_L, spec, dg if dg is not None else deep_gemm(), wgrad)
 
 
 def dense_runs(a_MK: torch.Tensor, ta: Tiling, tb: Tiling, fmts: tuple[str, str]) -> bool:

@@ -225,3 +225,21 @@ def test_dense_linear_matches_the_emulation(monkeypatch):
         torch.testing.assert_close(a, b.bfloat16().float(), rtol=2 ** -7, atol=1e-6)
     # wgrad in fp32, dequantized by the reciprocal scales (the emulation divides): an ulp per operand apart
     assert ((out[1][2] - out[0][2]).norm() / out[0][2].norm()).item() < 1e-6
+
+
+def test_no_wgrad_operand_without_grad():
+    """Under no_grad (validation) or for frozen experts the wgrad operand is not made; the outputs are the same."""
+    x, w, _ = _data()
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    made = []
+    real = dgm.tiles_reference
+    try:
+        dgm.tiles_reference = lambda *a: made.append(a[3]) or real(*a)
+        y = dgm.grouped_mm(x, w.clone().requires_grad_(), offs, FP8Spec("blockwise"), FAKE)
+        with torch.no_grad():
+            y_eval = dgm.grouped_mm(x, w.clone().requires_grad_(), offs, FP8Spec("blockwise"), FAKE)
+        y_frozen = dgm.grouped_mm(x.clone().requires_grad_(), w, offs, FP8Spec("blockwise"), FAKE)
+    finally:
+        dgm.tiles_reference = real
+    assert made == [True, False, False]
+    assert torch.equal(y[:170], y_eval[:170]) and torch.equal(y_eval[:170], y_frozen[:170].detach())
