@@ -157,7 +157,7 @@ def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, ta: Tiling, tb: Tiling, fmt_a
     qb, sb = quantize(b_NK, fmt_b, tb, amax_b)
     if not emulate and ta.cols is not None:  # blockwise tiles: DeepGEMM, where it runs
         from lightning_moe.modules import fp8_deepgemm
-        if fp8_deepgemm.dense_runs(a_MK, ta, tb, (fmt_a, fmt_b)):
+        if fp8_deepgemm.dense_runs(a_MK, ta, tb, (fmt_a, fmt_b), out_dtype):
             return fp8_deepgemm.dense_mm(qa, sa, qb, sb, tb, out_dtype)
     scale_a, scale_b = _kernel_scales(ta, sa, True), _kernel_scales(tb, sb, False)
     kernel = not emulate and scale_a is not None and scale_b is not None and (fmt_a, fmt_b) != ("e5m2", "e5m2")

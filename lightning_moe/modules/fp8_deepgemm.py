@@ -12,7 +12,9 @@ ran at 1.9-2.0x torch's bf16 grouped GEMM at the Qwen3 and Mixtral expert shapes
            over 128-token tiles (128 x 1) and dequantized to bf16
 
 The wgrad GEMM keeps the recipe's quantization but multiplies on bf16 tensor cores: DeepGEMM's k-grouped FP8 kernel
-takes the experts' token counts on the host (a host sync per GEMM) and ran at 0.54x bf16 at Qwen3's shape.
+takes the experts' token counts on the host (a host sync per GEMM) and ran at 0.54x bf16 at Qwen3's shape. The
+forward keeps that wgrad operand (made in the same pass as its FP8 tiles) rather than its input, so
+``Recompute("moe_act")`` frees nothing of fc2's saved input on this path.
 
 The quantization is the emulation's (``fp8_grouped.py``): the same tiles, amaxes, scales and saturation, so the two
 differ in how they accumulate and in the bf16 rounding of the dequantized wgrad operands, as the emulation's own CUDA
@@ -105,7 +107,8 @@ def tiles_reference(x_MK: torch.Tensor, src_P: torch.Tensor, fmt: str, wgrad: bo
     dequantized (times the reciprocal scale, as a GEMM applies it), in ``wgrad_dtype``."""
     dtype, fmax = FORMATS[fmt]
     P, K = src_P.numel(), x_MK.shape[1]
-    x_PK = torch.where((src_P >= 0).unsqueeze(1), x_MK[src_P.clamp(min=0).long()], 0).float()
+    rows = torch.cat([x_MK, x_MK.new_zeros(1, K)])  # -1 reads the zero row (and M = 0 has a row to read)
+    x_PK = rows[torch.where(src_P >= 0, src_P.long(), x_MK.shape[0])].float()
     amax = x_PK.abs().reshape(P, K // BLOCK, BLOCK).amax(2, keepdim=True)
     scale = scale_of(amax, fmt)
     q = (x_PK.reshape(P, K // BLOCK, BLOCK) * scale).clamp(-fmax, fmax).to(dtype).reshape(P, K)
@@ -144,6 +147,16 @@ def _weights(w_LKN, fmt: str, amax):
     return (kernels.weight_blocks if kernels is not None else weight_blocks_reference)(w_LKN, fmt, amax)
 
 
+def _m_grouped(dg: ModuleType, a: tuple, b: tuple, d: torch.Tensor, layout_P: torch.Tensor) -> None:
+    """DeepGEMM's m-grouped GEMM takes each 128-row block's expert from its first row: blocks of its current
+    alignment must not straddle our 128-row expert boundaries (a host read of a setting, no sync)."""
+    align = dg.get_mk_alignment_for_contiguous_layout()
+    if BLOCK % align:
+        raise RuntimeError(f"DeepGEMM's contiguous-layout alignment is {align} rows (set by "
+                           f"set_mk_alignment_for_contiguous_layout); the FP8 experts lay experts out on {BLOCK} rows")
+    dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, layout_P, disable_ue8m0_cast=True)
+
+
 class _DeepGEMMGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, dg: ModuleType, wgrad: bool):
@@ -156,26 +169,35 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
             "blocks", w_LKN, lambda: _weights(w_LKN, fwd, spec.weight_amax(w_LKN)))
         y_PN = xq_PK.new_empty(xq_PK.shape[0], N, dtype=torch.bfloat16)
         # B = W^T (L, N, K) with its scales as (L, N / 128, K / 128): the (L, K / 128, N / 128) grid transposed
-        dg.m_grouped_fp8_gemm_nt_contiguous((xq_PK, xs_KP.t()), (wqt_LNK, ws_LKN.transpose(1, 2)), y_PN,
-                                            rows.layout_P, disable_ue8m0_cast=True)
-        ctx.save_for_backward(xw_PK, wq_LKN, ws_LKN, *rows)
+        _m_grouped(dg, (xq_PK, xs_KP.t()), (wqt_LNK, ws_LKN.transpose(1, 2)), y_PN, rows.layout_P)
+        ctx.save_for_backward(xw_PK, *rows)
+        # the FP8 weight is the step's cached copy, not an activation: kept off the saved-tensor hooks, which would
+        # offload (ActivationOffload) a copy of it while the cache keeps it on the device anyway
+        ctx.weight = (wq_LKN, ws_LKN)
         ctx.spec, ctx.dg, ctx.dtypes = spec, dg, (x_MK.dtype, w_LKN.dtype)
         return y_PN.index_select(0, rows.dest_M).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
-        xw_PK, wq_LKN, ws_LKN, *saved = ctx.saved_tensors
+        xw_PK, *saved = ctx.saved_tensors
         rows = Rows(*saved)
+        wq_LKN, ws_LKN = ctx.weight
         _, bwd = ctx.spec.formats()
         x_dtype, w_dtype = ctx.dtypes
-        want_w = ctx.needs_input_grad[1] and xw_PK is not None
+        want_x, want_w = ctx.needs_input_grad[:2]
+        if want_w and xw_PK is None:
+            raise RuntimeError("FP8 experts on DeepGEMM: the weight gradient is needed, but the forward ran without "
+                               "grad enabled and kept no wgrad operand")
+        dx = dw = None
         dyq_PN, dys_NP, dyw_PN = _tiles(dy_MN, rows, bwd, wgrad=want_w)
-        dx_PK = dyq_PN.new_empty(dyq_PN.shape[0], wq_LKN.shape[1], dtype=torch.bfloat16)
-        # B = W (L, K, N): dgrad reduces over N, which W holds contiguous; the same blocks and scales
-        ctx.dg.m_grouped_fp8_gemm_nt_contiguous((dyq_PN, dys_NP.t()), (wq_LKN, ws_LKN), dx_PK, rows.layout_P,
-                                                disable_ue8m0_cast=True)
-        dx = dx_PK.index_select(0, rows.dest_M).to(x_dtype)
-        dw = F.grouped_mm(xw_PK.t(), dyw_PN, offs=rows.poffs_L.to(torch.int32)).to(w_dtype) if want_w else None
+        if want_x:
+            dx_PK = dyq_PN.new_empty(dyq_PN.shape[0], wq_LKN.shape[1], dtype=torch.bfloat16)
+            # B = W (L, K, N): dgrad reduces over N, which W holds contiguous; the same blocks and scales
+            _m_grouped(ctx.dg, (dyq_PN, dys_NP.t()), (wq_LKN, ws_LKN), dx_PK, rows.layout_P)
+            dx = dx_PK.index_select(0, rows.dest_M).to(x_dtype)
+        if want_w:
+            dw = F.grouped_mm(xw_PK.t(), dyw_PN, offs=rows.poffs_L.to(torch.int32)).to(w_dtype)
+        ctx.weight = None
         return dx, dw, None, None, None, None
 
 
@@ -187,11 +209,12 @@ def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, sp
     return _DeepGEMMGroupedMM.apply(x_MK, w_LKN, offs_L, spec, dg if dg is not None else deep_gemm(), wgrad)
 
 
-def dense_runs(a_MK: torch.Tensor, ta: Tiling, tb: Tiling, fmts: tuple[str, str]) -> bool:
-    """Whether a dense blockwise GEMM runs on DeepGEMM: 1 x 128 tiles of A with 128 x 128 blocks (forward, dgrad) or
-    1 x 128 tiles (wgrad, along the tokens) of B, E4M3."""
-    return (fmts == ("e4m3", "e4m3") and ta == Tiling(1, BLOCK) and tb in (Tiling(BLOCK, BLOCK), Tiling(1, BLOCK))
-            and available(a_MK.device))
+def dense_runs(a_MK: torch.Tensor, ta: Tiling, tb: Tiling, fmts: tuple[str, str], out_dtype: torch.dtype) -> bool:
+    """Whether a dense blockwise GEMM runs on DeepGEMM: 1 x 128 tiles of A with 128 x 128 blocks (forward, dgrad: its
+    kernel writes bf16, so only for bf16 outputs) or 1 x 128 tiles (wgrad, along the tokens: fp32) of B, E4M3."""
+    shapes = (ta == Tiling(1, BLOCK) and tb == Tiling(BLOCK, BLOCK) and out_dtype == torch.bfloat16) or \
+        (ta == Tiling(1, BLOCK) and tb == Tiling(1, BLOCK))
+    return fmts == ("e4m3", "e4m3") and shapes and available(a_MK.device)
 
 
 def dense_mm(qa_MK: torch.Tensor, sa: torch.Tensor, qb_NK: torch.Tensor, sb: torch.Tensor, tb: Tiling,
