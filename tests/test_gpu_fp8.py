@@ -80,6 +80,17 @@ def _model(callback):
     return lm
 
 
+def _train_step(model, opt, tokens) -> torch.Tensor:
+    """One bf16-autocast step of next-token loss on ``tokens``; the loss (on the device)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, aux = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 @hopper
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_fp8_step_has_no_host_sync(fmt):
@@ -88,22 +99,12 @@ def test_fp8_step_has_no_host_sync(fmt):
     model = lm.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     tokens = torch.randint(0, 512, (4, 257), device="cuda")
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits, aux = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
     for _ in range(3):  # warm up, and compile the fused quantization kernels
-        step()
+        _train_step(model, opt, tokens)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = step()
+        loss = _train_step(model, opt, tokens)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item()

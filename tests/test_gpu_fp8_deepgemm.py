@@ -106,7 +106,7 @@ def test_triton_quantizers_match_references_on_gpu():
 
 @deepgemm
 def test_blockwise_step_on_deepgemm_has_no_host_sync():
-    from tests.test_gpu_fp8 import _model
+    from tests.test_gpu_fp8 import _model, _train_step
 
     from lightning_moe import FP8Training
     lm = _model(FP8Training("blockwise"))
@@ -118,13 +118,7 @@ def test_blockwise_step_on_deepgemm_has_no_host_sync():
     real, real_dense = dg.m_grouped_fp8_gemm_nt_contiguous, dg.fp8_gemm_nt
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits, aux = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        return _train_step(model, opt, tokens)
 
     try:
         dg.m_grouped_fp8_gemm_nt_contiguous = lambda *a, **kw: calls.append(1) or real(*a, **kw)
