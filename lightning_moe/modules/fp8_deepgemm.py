@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.modules.expert_padding import padded_layout
-from lightning_moe.modules.fp8 import _TINY, BLOCK, FORMATS, Tiling, scale_of
+from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, scale_of
 from lightning_moe.modules.fp8_linear import FP8Spec
 from lightning_moe.modules.kernels import load
 
@@ -130,7 +130,7 @@ def weight_blocks_reference(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.
     blocks = w_LKN.float().reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK)
     amax = blocks.abs().amax((2, 4), keepdim=True) if amax is None else \
         amax.float().reshape(L, K // BLOCK, 1, N // BLOCK, 1)
-    scale = FORMATS[fmt][1] / amax.clamp_min(_TINY)
+    scale = scale_of(amax, fmt)
     q = (blocks * scale).clamp(-fmax, fmax).to(dtype).reshape(L, K, N)
     return q, q.transpose(1, 2).contiguous(), scale.reciprocal().reshape(L, K // BLOCK, N // BLOCK)
 
