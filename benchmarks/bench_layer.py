@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import statistics
 import sys
@@ -174,6 +175,22 @@ def bare_fused_block(x_MD, w13_EDF2, w2_EFD, offs_E):
     return F.grouped_mm(swiglu(h_M2F, fused=True), w2_EFD, offs=offs_E)
 
 
+ALIGN = 128  # -aligned: DeepGEMM's expert boundaries
+
+
+def padded_rows(counts: list[int], h: int, device, dtype) -> tuple:
+    """The bare block's input with each expert's rows rounded up to ALIGN (zero rows between): x, offs, output grad."""
+    sizes = [-(-c // ALIGN) * ALIGN for c in counts]
+    starts = [sum(sizes[:e]) for e in range(len(sizes))]
+    keep = torch.cat([torch.arange(s0, s0 + c, device=device) for s0, c in zip(starts, counts)])
+    P = sum(sizes)
+    x = torch.zeros(P, h, device=device, dtype=dtype)
+    x[keep] = torch.randn(len(keep), h, device=device, dtype=dtype)
+    g = torch.zeros(P, h, device=device, dtype=dtype)
+    g[keep] = torch.randn(len(keep), h, device=device, dtype=dtype)
+    return x.requires_grad_(), torch.tensor(sizes, device=device).cumsum(0).to(torch.int32), g
+
+
 def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
     h_M2F = fp8_grouped_mm(x_MD, w13_EDF2, offs_E, spec1)
     gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
@@ -181,15 +198,17 @@ def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
 
 
 def fp8_specs(precision: str) -> tuple:
-    """``fp8-<recipe>[-hybrid][-fastall][-cached]``: one spec per GEMM (delayed scaling keeps a history per GEMM); E4M3
-    gradients unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel; fast accumulation in the
-    forward GEMMs only (``FP8Training``'s default) unless ``-fastall`` (dgrad and wgrad too). The weights are
-    quantized in every iteration unless ``-cached``: once, as a model does once per optimizer step for all its
-    micro-batches (``FP8Training(cache_weights=True)``)."""
+    """``fp8-<recipe>[-hybrid][-fastall][-cached][-aligned]``: one spec per GEMM (delayed scaling keeps a history per
+    GEMM); E4M3 gradients unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel; fast
+    accumulation in the forward GEMMs only (``FP8Training``'s default) unless ``-fastall`` (dgrad and wgrad too). The
+    weights are quantized in every iteration unless ``-cached``: once, as a model does once per optimizer step for all
+    its micro-batches (``FP8Training(cache_weights=True)``). ``-aligned``: each expert's rows start on a multiple of
+    128 (``ModelConfig.expert_rows_align=128``; the bare block pads its rows so)."""
     parts = precision.split("-")
     recipe, fmt = parts[1], "hybrid" if "hybrid" in parts else "e4m3"
     fast = "all" if "fastall" in parts else "fprop"
-    specs = (FP8Spec(recipe, fp8_format=fmt, fast_accum=fast), FP8Spec(recipe, fp8_format=fmt, fast_accum=fast))
+    align = ALIGN if "aligned" in parts else 1
+    specs = tuple(FP8Spec(recipe, fp8_format=fmt, fast_accum=fast, rows_align=align) for _ in range(2))
     for spec in specs:
         spec.step = 0 if "cached" in parts else None
     return specs
@@ -299,11 +318,13 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         spec1, spec2 = fp8_specs(precision)
         layer.experts.fc1._mm = lambda x, w, offs, s=spec1: fp8_grouped_mm(x, w, offs, s)
         layer.experts.fc2._mm = lambda x, w, offs, s=spec2: fp8_grouped_mm(x, w, offs, s)
+        layer.dispatcher.cfg = dataclasses.replace(cfg, expert_rows_align=spec1.rows_align)
         t = time_fn(layer_step, device, args.iters, args.warmup, layer_tensors, args.timer)
         t.update(peak_memory(layer_step, device, layer_tensors))
         t["tflops"] = tflops(flops, t["median_ms"])
         fp8_layers[precision] = t
         del layer.experts.fc1._mm, layer.experts.fc2._mm
+        layer.dispatcher.cfg = cfg
 
     runs = []
     for i in range(args.split_iters + 1):
@@ -341,11 +362,13 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         t["tflops"] = tflops(flops, t["median_ms"])
         rec["bare_fused_swiglu"] = t
         rec["ratio_layer_over_bare_fused_swiglu"] = t["median_ms"] / t_layer["median_ms"]
+    padded = padded_rows(counts_list, h, device, dtype) if any("aligned" in p for p in fp8_layers) else None
     for precision, t_fp8_layer in fp8_layers.items():
         spec1, spec2 = fp8_specs(precision)
+        x_in, offs_in, g_in = padded if spec1.rows_align > 1 else (x_MD, offs_E, g_MD)
 
-        def fp8_step(s1=spec1, s2=spec2):
-            fp8_block(x_MD, w13, w2, offs_E, s1, s2).backward(g_MD)
+        def fp8_step(s1=spec1, s2=spec2, x_in=x_in, offs_in=offs_in, g_in=g_in):
+            fp8_block(x_in, w13, w2, offs_in, s1, s2).backward(g_in)
 
         t = time_fn(fp8_step, device, args.iters, args.warmup, bare_tensors, args.timer)
         t["tflops"] = tflops(flops, t["median_ms"])
@@ -396,9 +419,10 @@ def main(argv=None) -> dict:
     p.add_argument("--unfused", action="store_true",
                    help="router_fusion=False, permute_fusion=False: the torch reference router and permutes")
     p.add_argument("--precision", default="bf16",
-                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid][-fastall][-cached] (recipes: "
+                   help="bf16, plus comma-separated fp8-<recipe>[-hybrid][-fastall][-cached][-aligned] (recipes: "
                    + ", ".join(RECIPES) + "; -fastall: fast accumulation in dgrad and wgrad too; -cached: the "
-                   "weights quantized once, not in every iteration)")
+                   "weights quantized once, not in every iteration; -aligned, blockwise only: each expert's rows "
+                   "start on a multiple of 128, ModelConfig.expert_rows_align=128)")
     p.add_argument("--with-loop", action="store_true", help="also time a per-expert Python loop (qwen3 only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU, 2 iterations")
     p.add_argument("--seed", type=int, default=0)
@@ -412,6 +436,7 @@ def main(argv=None) -> dict:
     valid = {f"fp8-{r}" for r in RECIPES} | {"fp8-tensorwise-hybrid", "fp8-delayed-hybrid"}
     valid |= {f"{v}-fastall" for v in valid}
     valid |= {f"{v}-cached" for v in valid}
+    valid |= {f"{v}-aligned" for v in valid if v.startswith("fp8-blockwise")}
     bad = [s for s in precisions if s != "bf16" and s not in valid]
     if bad:
         p.error(f"unknown --precision {bad}; choose from bf16, {', '.join(sorted(valid))}")

@@ -272,6 +272,8 @@ def run_one(args, preset: str) -> dict:
         overrides["probs_in_experts"] = False
     if args.no_swiglu_fusion:
         overrides["swiglu_fusion"] = False
+    if args.expert_rows_align > 1:
+        overrides["expert_rows_align"] = args.expert_rows_align
     if args.no_rope_fusion:
         overrides["rope_fusion"] = False
     if args.no_cross_entropy_fusion:
@@ -329,7 +331,8 @@ def run_one(args, preset: str) -> dict:
             memory_callbacks.append(FP8Training(args.fp8, fp8_format=args.fp8_format, fp8_dispatch=args.fp8_dispatch,
                                                 fast_accum=args.fp8_fast_accum,
                                                 cache_weights=not args.fp8_no_weight_cache,
-                                                fp8_param_gather=args.fp8_param_gather))
+                                                fp8_param_gather=args.fp8_param_gather,
+                                                exclude=[s for s in args.fp8_exclude.split(",") if s]))
         if args.nvfp4:
             from lightning_moe import NVFP4Training
             memory_callbacks.append(NVFP4Training())
@@ -388,7 +391,8 @@ def run_one(args, preset: str) -> dict:
            "devices": args.devices, "recompute": args.recompute, "pack_documents": args.pack_documents,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
-           "fp8_param_gather": args.fp8_param_gather,
+           "expert_rows_align": args.expert_rows_align, "fp8_param_gather": args.fp8_param_gather,
+           "fp8_exclude": args.fp8_exclude,
            "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
                             else "dense+experts"),
            "fused_optimizer_writeback": getattr(trainer.optimizers[0].step, "__qualname__", "").startswith("FusedAdam")
@@ -434,11 +438,12 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--fp8-param-gather"] if args.fp8_param_gather else []
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
-        cmd += ["--fp8-fast-accum", args.fp8_fast_accum]
+        cmd += ["--fp8-fast-accum", args.fp8_fast_accum, "--fp8-exclude", args.fp8_exclude]
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
         cmd += ["--overlap-moe-comm"] if args.overlap_moe_comm else []
         cmd += ["--probs-in-combine"] if args.probs_in_combine else []
         cmd += ["--no-swiglu-fusion"] if args.no_swiglu_fusion else []
+        cmd += ["--expert-rows-align", str(args.expert_rows_align)]
         cmd += ["--no-rope-fusion"] if args.no_rope_fusion else []
         cmd += ["--no-cross-entropy-fusion"] if args.no_cross_entropy_fusion else []
         cmd += ["--nvfp4"] if args.nvfp4 else []
@@ -508,6 +513,9 @@ def main(argv=None) -> dict:
     p.add_argument("--probs-in-combine", action="store_true",
                    help="ModelConfig.probs_in_experts=False: the combine weights the expert outputs (the old way)")
     p.add_argument("--no-swiglu-fusion", action="store_true", help="ModelConfig.swiglu_fusion=False (torch SwiGLU)")
+    p.add_argument("--expert-rows-align", type=int, default=1,
+                   help="ModelConfig.expert_rows_align (Megatron's --moe-router-padding-for-fp8): 128 lets the "
+                        "blockwise recipe's DeepGEMM GEMMs read the experts' input as laid out")
     p.add_argument("--no-rope-fusion", action="store_true",
                    help="ModelConfig.rope_fusion=False (torch RoPE and q/k norms)")
     p.add_argument("--no-cross-entropy-fusion", action="store_true",
@@ -524,6 +532,9 @@ def main(argv=None) -> dict:
                    "blockwise")
     p.add_argument("--fp8-format", default=None, help="FP8Training(fp8_format=...): hybrid or e4m3")
     p.add_argument("--fp8-fast-accum", default="fprop", help="FP8Training(fast_accum=...): fprop, all or none")
+    p.add_argument("--fp8-exclude", default="",
+                   help="FP8Training(exclude=...): comma-separated module names (patterns) kept in bf16, e.g. "
+                        "'attention' for FP8 experts only")
     p.add_argument("--fp8-no-weight-cache", action="store_true",
                    help="FP8Training(cache_weights=False): quantize the expert weights at every micro-batch")
     p.add_argument("--fp8-dispatch", action="store_true",

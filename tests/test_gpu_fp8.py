@@ -71,9 +71,9 @@ def test_scaled_mm_linear_matches_emulation(recipe, fast):
     assert all(e < 1e-2 for e in errs), errs
 
 
-def _model(callback):
+def _model(callback, **overrides):
     from lightning_moe.modules.lm import MoELanguageModel
-    lm = MoELanguageModel(preset="tiny", overrides=OVR)
+    lm = MoELanguageModel(preset="tiny", overrides={**OVR, **overrides})
     lm.configure_model()
     lm.model.cuda()
     callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda"))), lm)

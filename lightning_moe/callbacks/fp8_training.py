@@ -151,8 +151,12 @@ class FP8Training(L.Callback):
         on_dg = sum(not emulate and e4m3 and fp8_deepgemm.eligible(self.recipe, g.K, g.N, device) for g in grouped)
         backward = "" if not on_kernel or e4m3 else \
             " (their backward emulated: no E5M2 grouped kernel; fp8_format='e4m3' runs it on the kernel)"
+        unaligned = on_dg and any(self._spec(g, None).rows_align % 128 for g in grouped)
         kernel = f"{on_kernel} on torch._scaled_grouped_mm{backward}" if not on_dg else \
-            f"{on_dg} on DeepGEMM (wgrad on bf16 tensor cores with the recipe's quantization)"
+            f"{on_dg} on DeepGEMM (wgrad on bf16 tensor cores with the recipe's quantization; " + \
+            ("rows scattered into 128-row expert groups and gathered back at each GEMM: set "
+             "ModelConfig.expert_rows_align=128, Megatron's --moe-router-padding-for-fp8, to skip that)"
+             if unaligned else "the experts' input used as laid out, expert_rows_align=128)")
         rank_zero_info(f"FP8Training({self.recipe}): {len(targets) - len(grouped)} dense GEMMs ({dense}), "
                        f"{len(grouped)} expert grouped GEMMs ({kernel}, {len(grouped) - on_kernel - on_dg} emulated)"
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
@@ -197,7 +201,7 @@ class FP8Training(L.Callback):
         """The groups whose ranks split the GEMM's features (TP, ETP) or tokens (DP x CP, EDP): they share scales, as
         Transformer Engine reduces amaxes over its FP8 group."""
         spec = FP8Spec(self.recipe, emulate=bool(self.emulate), history=self.amax_history, fp8_format=self.fp8_format,
-                       fast_accum=self.fast_accum)
+                       fast_accum=self.fast_accum, rows_align=getattr(g.module, "rows_align", 1) if g.grouped else 1)
         if ctx is None:
             return spec
         if g.grouped:

@@ -49,7 +49,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class GroupedMM(nn.Module):
     """``grouped_mm`` as a module: the experts' two GEMMs are named places (``experts.fc1``, ``experts.fc2``) where
-    callbacks find their inputs (activation offload) and low-precision GEMMs can be swapped in. No parameters."""
+    callbacks find their inputs (activation offload) and low-precision GEMMs can be swapped in. No parameters.
+    ``rows_align``: each expert's rows in the input start on a multiple of this (``ModelConfig.expert_rows_align``),
+    which low-precision GEMMs may rely on."""
+
+    def __init__(self, rows_align: int = 1):
+        super().__init__()
+        self.rows_align = rows_align
 
     def forward(self, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
         return self._mm(x_MK, w_LKN, offs_L)
@@ -146,7 +152,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_full: int, expert_offset: int = 0,
                  etp_rank: int = 0, etp_size: int = 1, init_std: float = 0.02, out_std: float = 0.02,
-                 fused: bool = True):
+                 fused: bool = True, rows_align: int = 1):
         super().__init__()
         self.num_local_experts, self.hidden, self.expert_offset = num_local_experts, hidden, expert_offset
         self.etp_rank, self.etp_size, self.init_std, self.out_std = etp_rank, etp_size, init_std, out_std
@@ -156,7 +162,7 @@ class GroupedExperts(nn.Module):
         for p in (self.w13, self.w2):
             p.is_expert = True
             p.wgrad_fusable = True  # GradSync may accumulate its gradient in the GEMM (wgrad_fusion.py)
-        self.fc1, self.act, self.fc2 = GroupedMM(), SwiGLUActivation(fused), GroupedMM()
+        self.fc1, self.act, self.fc2 = GroupedMM(rows_align), SwiGLUActivation(fused), GroupedMM(rows_align)
 
     @torch.no_grad()
     def reset_parameters_sharded(self, seed: int, name: str) -> None:

@@ -82,8 +82,8 @@ def runs(spec: FP8Spec, x_MK: torch.Tensor, w_LKN: torch.Tensor) -> bool:
 
 class Rows(NamedTuple):
     """M routed rows (sorted by expert) in DeepGEMM's contiguous layout of P rows."""
-    dest_M: torch.Tensor  # each row's place
-    src_P: torch.Tensor  # each place's row, -1 for padding (int32)
+    dest_M: Optional[torch.Tensor]  # each row's place; None: row m is at place m (``rows_aligned``)
+    src_P: Optional[torch.Tensor]  # each place's row, -1 for padding (int32); None: as dest_M
     layout_P: torch.Tensor  # each place's expert, -1 for padding (int32): DeepGEMM skips those rows
     poffs_L: torch.Tensor  # the padded cumulative ends
 
@@ -98,6 +98,34 @@ def rows_of(offs_L: torch.Tensor, M: int) -> Rows:
     layout_P = torch.full((P,), -1, dtype=torch.int32, device=offs_L.device)
     layout_P.index_put_((dest_M,), torch.where(valid_M, gid_M, -1).to(torch.int32))
     return Rows(dest_M, src_P, layout_P, poffs_L)
+
+
+def rows_aligned(offs_L: torch.Tensor, M: int) -> Rows:
+    """Rows whose experts already start on 128-row boundaries (``ModelConfig.expert_rows_align``, Megatron's
+    ``--moe-router-padding-for-fp8``): every row keeps its place, so nothing is scattered in or gathered out. P is M
+    rounded up to 128 (the places past M are zeros; the output's first M rows are the result). A device-side assert
+    guards the alignment (no host sync): a misaligned layout would mix two experts in a 128-row block."""
+    torch._assert_async((offs_L % BLOCK == 0).all(), "FP8 experts on DeepGEMM: rows_align=128 was promised, but an "
+                        "expert's rows do not start on a 128-row boundary")
+    P = -(-M // BLOCK) * BLOCK
+    rows_P = torch.arange(P, device=offs_L.device)
+    offs = offs_L.to(torch.int64)
+    gid_P = torch.bucketize(rows_P, offs, right=True)
+    layout_P = torch.where(rows_P < offs[-1], gid_P, -1).to(torch.int32)
+    return Rows(None, None, layout_P, offs_L)
+
+
+def _places(rows: Rows, M: int) -> torch.Tensor:
+    """Each place's source row, -1 for none (``tiles_reference``'s ``src_P``)."""
+    if rows.src_P is not None:
+        return rows.src_P
+    p = torch.arange(rows.layout_P.numel(), device=rows.layout_P.device)
+    return torch.where(p < M, p, -1).to(torch.int32)
+
+
+def _unplace(y_PN: torch.Tensor, rows: Rows, M: int) -> torch.Tensor:
+    """The M rows' results back from their places."""
+    return y_PN[:M] if rows.dest_M is None else y_PN.index_select(0, rows.dest_M)
 
 
 def tiles_reference(x_MK: torch.Tensor, src_P: torch.Tensor, fmt: str, wgrad: bool, wgrad_dtype: torch.dtype
@@ -138,8 +166,9 @@ def weight_blocks_reference(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.
 def _tiles(x_MK, rows: Rows, fmt: str, wgrad: bool):
     kernels = load("triton_fp8_blockwise", x_MK)
     if kernels is not None:  # places past the last expert's padded end stay undefined: nothing reads them
-        return kernels.tiles(x_MK, rows.src_P, rows.poffs_L[-1:], fmt, wgrad)
-    return tiles_reference(x_MK, rows.src_P, fmt, wgrad, torch.bfloat16 if x_MK.is_cuda else x_MK.dtype)
+        return kernels.tiles(x_MK, rows.src_P, rows.poffs_L[-1:], fmt, wgrad, rows.layout_P.numel())
+    return tiles_reference(x_MK, _places(rows, x_MK.shape[0]), fmt, wgrad,
+                           torch.bfloat16 if x_MK.is_cuda else x_MK.dtype)
 
 
 def _weights(w_LKN, fmt: str, amax):
@@ -163,7 +192,7 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         fwd, _ = spec.formats()
-        rows = rows_of(offs_L, M)
+        rows = rows_aligned(offs_L, M) if spec.rows_align % BLOCK == 0 else rows_of(offs_L, M)
         xq_PK, xs_KP, xw_PK = _tiles(x_MK, rows, fwd, wgrad)
         wq_LKN, wqt_LNK, ws_LKN = spec.cached_weight(
             "blocks", w_LKN, lambda: _weights(w_LKN, fwd, spec.weight_amax(w_LKN)))
@@ -175,7 +204,7 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
         # offload (ActivationOffload) a copy of it while the cache keeps it on the device anyway
         ctx.weight = (wq_LKN, ws_LKN)
         ctx.spec, ctx.dg, ctx.dtypes = spec, dg, (x_MK.dtype, w_LKN.dtype)
-        return y_PN.index_select(0, rows.dest_M).to(x_MK.dtype)
+        return _unplace(y_PN, rows, M).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
@@ -194,7 +223,7 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
             dx_PK = dyq_PN.new_empty(dyq_PN.shape[0], wq_LKN.shape[1], dtype=torch.bfloat16)
             # B = W (L, K, N): dgrad reduces over N, which W holds contiguous; the same blocks and scales
             _m_grouped(ctx.dg, (dyq_PN, dys_NP.t()), (wq_LKN, ws_LKN), dx_PK, rows.layout_P)
-            dx = dx_PK.index_select(0, rows.dest_M).to(x_dtype)
+            dx = _unplace(dx_PK, rows, dy_MN.shape[0]).to(x_dtype)
         if want_w:
             dw = F.grouped_mm(xw_PK.t(), dyw_PN, offs=rows.poffs_L.to(torch.int32)).to(w_dtype)
         ctx.weight = None

@@ -42,6 +42,9 @@ class FP8Spec:
     fast_accum: str = "fprop"  # which GEMMs use the kernels' fast accumulation (fp8.FAST_ACCUM)
     # the FP8 parameter all-gather's block amaxes of the weights it dequantized (strategy/fp8_param_gather.py)
     presets: Optional[object] = None
+    # the experts' input layout: each expert's rows start on a multiple of this (ModelConfig.expert_rows_align); at a
+    # multiple of 128 DeepGEMM reads the layout as it is (fp8_deepgemm.rows_aligned)
+    rows_align: int = 1
 
     def weight_amax(self, w: torch.Tensor) -> Optional[torch.Tensor]:
         """The amaxes of ``w``'s scale blocks (as an (R, C) grid) that the FP8 parameter all-gather quantized its

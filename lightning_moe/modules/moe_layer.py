@@ -37,7 +37,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(d.num_local_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size,
                                       expert_offset=d.local_expert_offset, etp_rank=ctx.rank("etp"),
                                       etp_size=ctx.etp, init_std=cfg.init_std, out_std=out_std,
-                                      fused=cfg.swiglu_fusion)
+                                      fused=cfg.swiglu_fusion, rows_align=cfg.expert_rows_align)
         self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn_size, cfg.init_std, out_std, ctx,
                                       fused=cfg.swiglu_fusion)
                                if cfg.shared_expert_ffn_size else None)

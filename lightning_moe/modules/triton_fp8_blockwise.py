@@ -1,7 +1,8 @@
 """Triton kernels for the blockwise FP8 recipe on DeepGEMM (``fp8_deepgemm.py``): the torch reference's bits
 (``fp8_deepgemm.tiles_reference``, ``weight_blocks_reference``) in one pass each.
 
-tiles     an activation laid out by expert in 128-row groups (row p reads source row src[p]; -1: a zero row), in
+tiles     an activation laid out by expert in 128-row groups (row p reads source row src[p]; -1: a zero row; without
+          src, row p itself, zero past the M rows), in
           128 x 128 tiles: q with one scale per row of a tile (1 x 128, for the GEMM that reduces over the features),
           the dequantization scales as (K / 128, P) (DeepGEMM's MN-major layout), and optionally the wgrad operand:
           each tile's columns quantized over its 128 rows (128 x 1: the expert's token tiles) and dequantized to bf16
@@ -51,8 +52,20 @@ def _bf16(v, HW: tl.constexpr):
 
 
 @triton.jit
-def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, P, K, FMAX: tl.constexpr, TINY: tl.constexpr,
-                  WGRAD: tl.constexpr, HW: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
+def _rows(x_ptr, src_ptr, p, cols, M, K, SRC: tl.constexpr):
+    """Places ``p``'s values at columns ``cols`` in fp32: rows ``src[p]`` (-1: zeros), or rows p (past M: zeros)."""
+    if SRC:
+        src = tl.load(src_ptr + p).to(tl.int64)
+        ok = src >= 0
+    else:
+        src = p.to(tl.int64)
+        ok = p < M
+    return tl.load(x_ptr + src[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, P, M, K, FMAX: tl.constexpr, TINY: tl.constexpr,
+                  WGRAD: tl.constexpr, SRC: tl.constexpr, HW: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
     """One 128 x 128 tile in chunks of R rows: the column amaxes over all its rows first (the chunks' second read
     comes from L2), then each chunk's row tiles and column-quantized values. Tiles past the last expert's padded end
     (no GEMM reads them) are left alone."""
@@ -62,17 +75,13 @@ def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, P, K, FMAX: tl.
         if WGRAD:
             amax_c = tl.zeros((T,), tl.float32)
             for r in range(0, T, R):
-                src = tl.load(src_ptr + p0 + r + tl.arange(0, R))
-                x = tl.load(x_ptr + src.to(tl.int64)[:, None] * K + cols[None, :], mask=(src >= 0)[:, None],
-                            other=0.0).to(tl.float32)
+                x = _rows(x_ptr, src_ptr, p0 + r + tl.arange(0, R), cols, M, K, SRC)
                 amax_c = _max_nan(amax_c, tl.reduce(tl.abs(x), 0, _max_nan))
             scale_c = _scale(amax_c, FMAX, TINY, T)
             inv_c = tl.math.div_rn(tl.full((T,), 1.0, tl.float32), scale_c)
         for r in range(0, T, R):
             p = p0 + r + tl.arange(0, R)
-            src = tl.load(src_ptr + p)
-            x = tl.load(x_ptr + src.to(tl.int64)[:, None] * K + cols[None, :], mask=(src >= 0)[:, None],
-                        other=0.0).to(tl.float32)
+            x = _rows(x_ptr, src_ptr, p, cols, M, K, SRC)
             at = p.to(tl.int64)[:, None] * K + cols[None, :]
             scale_r = _scale(tl.reduce(tl.abs(x), 1, _max_nan), FMAX, TINY, R)
             tl.store(q_ptr + at, _e4m3(x * scale_r[:, None], FMAX, HW))
@@ -82,20 +91,23 @@ def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, P, K, FMAX: tl.
                 tl.store(w_ptr + at, _bf16(_e4m3(x * scale_c[None, :], FMAX, HW).to(tl.float32) * inv_c[None, :], HW))
 
 
-def tiles(x_MK: torch.Tensor, src_P: torch.Tensor, end: torch.Tensor, fmt: str, wgrad: bool
-          ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def tiles(x_MK: torch.Tensor, src_P: Optional[torch.Tensor], end: torch.Tensor, fmt: str, wgrad: bool,
+          P: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``fp8_deepgemm.tiles_reference(x_MK, src_P, fmt, wgrad, torch.bfloat16)``'s values (E4M3: the recipe's) in the
-    places before ``end`` (a one-element tensor: the last expert's padded end); undefined after it."""
+    places before ``end`` (a one-element tensor: the last expert's padded end); undefined after it. Without ``src_P``,
+    ``P`` places (a multiple of 128, at least M) read rows 0..P-1, zeros past M."""
     assert fmt == "e4m3", "the rounding is E4M3's"
     dtype, fmax = FORMATS[fmt]
     x_MK = x_MK.contiguous()
-    K, P = x_MK.shape[1], src_P.numel()
+    M, K = x_MK.shape
+    P = src_P.numel() if src_P is not None else P
     q = torch.empty(P, K, device=x_MK.device, dtype=dtype)
     sf = torch.empty(K // BLOCK, P, device=x_MK.device, dtype=torch.float32)
     w = torch.empty(P, K, device=x_MK.device, dtype=torch.bfloat16) if wgrad else None
     if P:
-        _tiles_kernel[(P // BLOCK, K // BLOCK)](x_MK, src_P, end, q, sf, w if wgrad else q, P, K, FMAX=fmax,
-                                                TINY=_TINY, WGRAD=wgrad, HW=not interpreting(), T=BLOCK, R=ROWS,
+        _tiles_kernel[(P // BLOCK, K // BLOCK)](x_MK, src_P if src_P is not None else end, end, q, sf,
+                                                w if wgrad else q, P, M, K, FMAX=fmax, TINY=_TINY, WGRAD=wgrad,
+                                                SRC=src_P is not None, HW=not interpreting(), T=BLOCK, R=ROWS,
                                                 num_warps=4,
                                                 enable_fp_fusion=False)
     return q, sf, w

@@ -288,3 +288,59 @@ def test_no_wgrad_operand_without_grad():
         dgm._tiles = real
     assert made == [True, False, False]
     assert torch.equal(y[:170], y_eval[:170]) and torch.equal(y_eval[:170], y_frozen[:170].detach())
+
+
+def _aligned_data(seed=0):
+    """``_data``'s 170 rows laid out as ``ModelConfig.expert_rows_align=128`` lays them (zero rows up to each expert's
+    128-row boundary), then 5 tail rows: 517 rows, not a multiple of 128."""
+    x, w, dy = _data(seed)
+    sizes = [-(-c // 128) * 128 for c in torch.diff(torch.tensor([0] + OFFS)).tolist()]
+    starts = torch.tensor([0] + sizes[:-1]).cumsum(0).tolist()
+    dest = torch.cat([torch.arange(s, s + e - b) for s, b, e in zip(starts, [0] + OFFS[:-1], OFFS)])
+    Ma = sum(sizes) + 5
+    xa, dya = torch.zeros(Ma, K), torch.zeros(Ma, N)
+    xa[dest], dya[dest] = x[:170], dy[:170]
+    xa[sum(sizes):], dya[sum(sizes):] = float("nan"), float("nan")
+    return xa, w, dya, torch.tensor(sizes).cumsum(0).to(torch.int32), dest
+
+
+def test_aligned_rows_are_used_in_place():
+    """With ``rows_align=128`` the experts' input is DeepGEMM's layout as it is: no scatter, no gather, and the same
+    forward, dgrad and wgrad as the scattered path (the same tiles: the zero rows sit where rows_of pads)."""
+    x, w, dy = _data()
+    xa, _, dya, offs_a, dest = _aligned_data()
+    rows = dgm.rows_aligned(offs_a, xa.shape[0])
+    assert rows.dest_M is None and rows.layout_P.numel() == 640  # 517 rounded up to 128
+    assert rows.layout_P.tolist() == [0] * 128 + [2] * 256 + [3] * 128 + [-1] * 128
+    scattered = _run(x, w, dy, FP8Spec("blockwise"), FAKE)
+    xa, wa = xa.requires_grad_(), w.clone().requires_grad_()
+    ya = dgm.grouped_mm(xa, wa, offs_a, FP8Spec("blockwise", rows_align=128), FAKE)
+    ya.backward(dya)
+    assert ya.shape == (xa.shape[0], N) and xa.grad.shape == xa.shape
+    assert torch.equal(ya.detach()[dest], scattered[0]) and torch.equal(xa.grad[dest], scattered[1])
+    assert torch.equal(wa.grad, scattered[2])
+    holes = torch.ones(512, dtype=torch.bool)
+    holes[dest] = False
+    assert not ya.detach()[:512][holes].any()  # zero rows in, zero rows out
+
+
+def test_aligned_rows_are_checked_on_the_device():
+    x, w, _ = _data()
+    with pytest.raises(RuntimeError, match="rows_align=128 was promised"):
+        dgm.grouped_mm(x, w, torch.tensor(OFFS, dtype=torch.int32), FP8Spec("blockwise", rows_align=128), FAKE)
+
+
+def test_the_experts_pass_their_row_alignment_to_fp8():
+    """``ModelConfig.expert_rows_align`` reaches the experts' GEMM modules and FP8Training's specs for them."""
+    from lightning_moe import FP8Training
+    from lightning_moe.modules.config import ModelConfig
+    from lightning_moe.modules.moe_layer import MoELayer
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    for align in (1, 128):
+        cfg = ModelConfig(hidden_size=128, num_experts=4, moe_ffn_hidden_size=128, topk=2, num_layers=1,
+                          seq_length=16, expert_rows_align=align)
+        layer = MoELayer(cfg, ParallelContext.single(), out_std=0.02)
+        for m in (layer.experts.fc1, layer.experts.fc2):
+            assert m.rows_align == align
+            g = types.SimpleNamespace(grouped=True, module=m, name="experts.fc1")
+            assert FP8Training("blockwise")._spec(g, None).rows_align == align
