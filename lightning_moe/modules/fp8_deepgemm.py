@@ -49,10 +49,15 @@ def deep_gemm() -> Optional[ModuleType]:
     if "deep_gemm" not in _IMPORTED:
         try:
             dg = importlib.import_module("deep_gemm")
-            align = dg.get_theoretical_mk_alignment_for_contiguous_layout()
-            why = None if align == BLOCK else f"its contiguous layout aligns experts to {align} rows, not {BLOCK}"
         except Exception as e:  # noqa: BLE001 - not installed, or built for another CUDA/torch: the emulation runs
             dg, why = None, f"import deep_gemm failed: {type(e).__name__}: {e}"
+        else:
+            # DeepGEMM's __init__ skips its kernels when importing them from its module fails (an old CUDA runtime)
+            align = getattr(dg, "get_theoretical_mk_alignment_for_contiguous_layout", None)
+            align = align() if align is not None and hasattr(dg, "m_grouped_fp8_gemm_nt_contiguous") else None
+            why = (f"deep_gemm ({getattr(dg, '__file__', None) or list(getattr(dg, '__path__', []))}) has no FP8 "
+                   "grouped GEMMs: built for a CUDA runtime before 12.1, or a partial build" if align is None else
+                   None if align == BLOCK else f"its contiguous layout aligns experts to {align} rows, not {BLOCK}")
         _IMPORTED["deep_gemm"] = dg if why is None else None
         _IMPORTED["why"] = why
     return _IMPORTED["deep_gemm"]

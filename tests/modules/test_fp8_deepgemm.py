@@ -261,11 +261,14 @@ def test_why_deepgemm_is_unavailable(monkeypatch):
     assert dgm.deep_gemm() is None and "import deep_gemm failed" in dgm._IMPORTED["why"]
     monkeypatch.setattr(dgm, "_IMPORTED", {})
     monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(
-        get_theoretical_mk_alignment_for_contiguous_layout=lambda: 256))
+        get_theoretical_mk_alignment_for_contiguous_layout=lambda: 256, m_grouped_fp8_gemm_nt_contiguous=None))
     assert dgm.deep_gemm() is None and "256 rows" in dgm._IMPORTED["why"]
+    monkeypatch.setattr(dgm, "_IMPORTED", {})  # its __init__ skipped the kernels (CUDA before 12.1)
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(__file__="/x/deep_gemm/__init__.py"))
+    assert dgm.deep_gemm() is None and "/x/deep_gemm/__init__.py) has no FP8 grouped GEMMs" in dgm._IMPORTED["why"]
     monkeypatch.setattr(dgm, "_IMPORTED", {})
     monkeypatch.setitem(sys.modules, "deep_gemm", FAKE_WITH_ALIGN := types.SimpleNamespace(
-        get_theoretical_mk_alignment_for_contiguous_layout=lambda: 128))
+        get_theoretical_mk_alignment_for_contiguous_layout=lambda: 128, m_grouped_fp8_gemm_nt_contiguous=None))
     assert dgm.deep_gemm() is FAKE_WITH_ALIGN
     assert dgm.unavailable(torch.device("cpu")) == "not an SM 9.0 GPU"
     monkeypatch.setattr(dgm, "ENABLED", False)
