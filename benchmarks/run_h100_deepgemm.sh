@@ -8,6 +8,9 @@ OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR=/tmp/dg_jit PYTHONPATH=$PWD:$PWD/.deepgemm/src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 bash benchmarks/build_deepgemm.sh .deepgemm/src > "$OUT/build.log" 2>&1 || { tail -5 "$OUT/build.log"; exit 1; }
+# a warm machine's DeepGEMM once imported without its kernels: stop rather than time the emulation as DeepGEMM's
+python3 -c "import torch, lightning_moe.modules.fp8_deepgemm as d; w = d.unavailable(torch.device('cuda'))
+print('DeepGEMM:', w or 'available'); raise SystemExit(1 if w else 0)" || exit 1
 for part in "${@:-tests layer}"; do for p in $part; do case "$p" in
 tests)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_fp8_deepgemm.py ${TESTS:-} \
