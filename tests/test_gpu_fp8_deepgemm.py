@@ -65,27 +65,34 @@ def test_deepgemm_matches_emulation():
 
 
 @deepgemm
-def test_dense_deepgemm_matches_emulation():
+@pytest.mark.parametrize("tokens", [1000, 1024])
+def test_dense_deepgemm_matches_emulation(tokens):
+    """bf16 dense linears run as one expert of the grouped path (in place for 2048 tokens, padded for 2000); fp32
+    ones on the dense kernel (wgrad only: its forward and dgrad write bf16)."""
     from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
     g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(2, 1000, 1024, device="cuda", generator=g).bfloat16()  # 2000 tokens: wgrad pads to 2048
+    x = torch.randn(2, tokens, 1024, device="cuda", generator=g).bfloat16()
     w = (torch.randn(1536, 1024, device="cuda", generator=g) * 0.05).bfloat16()
-    dy = (torch.randn(2, 1000, 1536, device="cuda", generator=g) * 1e-3).bfloat16()
-    out, calls = [], []
+    dy = (torch.randn(2, tokens, 1536, device="cuda", generator=g) * 1e-3).bfloat16()
+    calls = []
     dg = dgm.deep_gemm()
-    real = dg.fp8_gemm_nt
+    real, real_grouped = dg.fp8_gemm_nt, dg.m_grouped_fp8_gemm_nt_contiguous
     try:
         dg.fp8_gemm_nt = lambda *a, **kw: calls.append(kw.get("recipe")) or real(*a, **kw)
-        for emulate in (True, False):
-            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = fp8_linear(xx, ww, FP8Spec("blockwise", emulate=emulate))
-            y.backward(dy)
-            out.append((y, xx.grad, ww.grad))
+        dg.m_grouped_fp8_gemm_nt_contiguous = lambda *a, **kw: calls.append("grouped") or real_grouped(*a, **kw)
+        for dtype, want in ((torch.bfloat16, ["grouped", "grouped"]), (torch.float32, [(1, 1, 128)])):
+            out = []
+            for emulate in (True, False):
+                calls.clear()
+                xx, ww = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+                y = fp8_linear(xx, ww, FP8Spec("blockwise", emulate=emulate))
+                y.backward(dy.to(dtype))
+                out.append((y, xx.grad, ww.grad))
+            assert calls == want, (dtype, calls)
+            errs = [_rel(a, b) for a, b in zip(out[1], out[0])]
+            assert all(e < 1e-2 for e in errs), (dtype, errs)
     finally:
-        dg.fp8_gemm_nt = real
-    assert calls == [None, None, (1, 1, 128)]
-    errs = [_rel(a, b) for a, b in zip(out[1], out[0])]
-    assert all(e < 1e-2 for e in errs), errs
+        dg.fp8_gemm_nt, dg.m_grouped_fp8_gemm_nt_contiguous = real, real_grouped
 
 
 @deepgemm
@@ -123,13 +130,14 @@ def test_aligned_rows_match_the_scattered_path():
 
 
 @deepgemm
-@pytest.mark.parametrize("align", [1, 128])
-def test_blockwise_step_on_deepgemm_has_no_host_sync(align):
+@pytest.mark.parametrize("align,bf16", [(1, False), (128, False), (128, True)])
+def test_blockwise_step_on_deepgemm_has_no_host_sync(align, bf16):
+    """Autocast (the dense linears on the dense kernel) or bf16 weights (one expert of the grouped path)."""
     from tests.test_gpu_fp8 import _model, _train_step
 
     from lightning_moe import FP8Training
     lm = _model(FP8Training("blockwise"), expert_rows_align=align)
-    model = lm.model
+    model = lm.model.bfloat16() if bf16 else lm.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     tokens = torch.randint(0, 512, (4, 257), device="cuda")
     calls, dense = [], []
@@ -151,5 +159,5 @@ def test_blockwise_step_on_deepgemm_has_no_host_sync(align):
             torch.cuda.set_sync_debug_mode("default")
     finally:
         dg.m_grouped_fp8_gemm_nt_contiguous, dg.fp8_gemm_nt = real, real_dense
-    assert calls and dense and all(torch.isfinite(v).item() for v in losses)
+    assert calls and (dense or bf16) and all(torch.isfinite(v).item() for v in losses)
     assert losses[-1].item() < losses[0].item()

@@ -145,7 +145,8 @@ class FP8Training(L.Callback):
         self._dispatchers = dispatchers
         grouped = [g for g in targets if g.grouped]
         dense = "emulated" if emulate else "torch._scaled_mm" if self.recipe != "blockwise" else \
-            "DeepGEMM; forward and dgrad emulated for fp32 outputs" if fp8_deepgemm.available(device) else "emulated"
+            ("DeepGEMM: bf16 ones as one expert of the grouped path, fp32 ones with forward and dgrad emulated"
+             if fp8_deepgemm.available(device) else "emulated")
         on_kernel = sum(not emulate and grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in grouped)
         e4m3 = not grouped or self._spec(grouped[0], None).formats() == ("e4m3", "e4m3")
         on_dg = sum(not emulate and e4m3 and fp8_deepgemm.eligible(self.recipe, g.K, g.N, device) for g in grouped)

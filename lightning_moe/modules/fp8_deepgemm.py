@@ -1,5 +1,6 @@
 """The blockwise recipe's GEMMs on DeepGEMM's FP8 kernels (Hopper, where ``deep_gemm`` imports): the experts' on its
-m-grouped kernel, the dense linears' on its dense one (``dense_mm``).
+m-grouped kernel; the dense linears' with bf16 inputs as one expert of the same path (``linear``), with fp32 ones on
+its dense kernel (``dense_mm``).
 
 DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` multiplies E4M3 operands with DeepSeek-V3's scales (1 x 128 tiles of
 A, 128 x 128 blocks of B), promoting the partial sums to fp32 at every 128-wide step of the reduction. On an H100 it
@@ -14,7 +15,13 @@ ran at 1.9-2.0x torch's bf16 grouped GEMM at the Qwen3 and Mixtral expert shapes
 The wgrad GEMM keeps the recipe's quantization but multiplies on bf16 tensor cores: DeepGEMM's k-grouped FP8 kernel
 takes the experts' token counts on the host (a host sync per GEMM) and ran at 0.54x bf16 at Qwen3's shape. The
 forward keeps that wgrad operand (made in the same pass as its FP8 tiles) rather than its input, so
-``Recompute("moe_act")`` frees nothing of fc2's saved input on this path.
+``Recompute("moe_act")`` frees nothing of fc2's saved input on this path. Under GradSync's gradient-accumulation
+fusion the wgrad goes straight into the fp32 main grad, as the bf16 path's does (``wgrad_fusion``).
+
+Where the experts' input is already laid out on 128-row expert boundaries (``ModelConfig.expert_rows_align=128``,
+Megatron's ``--moe-router-padding-for-fp8``; ``FP8Spec.rows_align``), the rows are used in place: nothing is scattered
+into the padded layout or gathered back out of it (``rows_aligned``). A dense linear's tokens are so whenever their
+number is a multiple of 128.
 
 The quantization is the emulation's (``fp8_grouped.py``): the same tiles, amaxes, scales and saturation, so the two
 differ in how they accumulate and in the bf16 rounding of the dequantized wgrad operands, as the emulation's own CUDA
@@ -34,10 +41,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from lightning_moe.modules import kernels, wgrad_fusion
 from lightning_moe.modules.expert_padding import padded_layout
 from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, scale_of
 from lightning_moe.modules.fp8_linear import FP8Spec
-from lightning_moe.modules.kernels import load
 
 ENABLED = os.environ.get("LMOE_DEEPGEMM", "1") != "0"
 _IMPORTED: dict[str, Optional[ModuleType]] = {}  # a cache of the imported module, not state
@@ -160,7 +167,7 @@ def weight_blocks_reference(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.
     (L, K / 128, N / 128)). ``amax``: the blocks' amaxes as (L * K / 128, N / 128), where given."""
     dtype, fmax = FORMATS[fmt]
     L, K, N = w_LKN.shape
-    blocks = w_LKN.float().reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK)
+    blocks = w_LKN.float().contiguous().reshape(L, K // BLOCK, BLOCK, N // BLOCK, BLOCK)
     amax = blocks.abs().amax((2, 4), keepdim=True) if amax is None else \
         amax.float().reshape(L, K // BLOCK, 1, N // BLOCK, 1)
     scale = scale_of(amax, fmt)
@@ -169,16 +176,16 @@ def weight_blocks_reference(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.
 
 
 def _tiles(x_MK, rows: Rows, fmt: str, wgrad: bool):
-    kernels = load("triton_fp8_blockwise", x_MK)
-    if kernels is not None:  # places past the last expert's padded end stay undefined: nothing reads them
-        return kernels.tiles(x_MK, rows.src_P, rows.poffs_L[-1:], fmt, wgrad, rows.layout_P.numel())
+    tk = kernels.load("triton_fp8_blockwise", x_MK)
+    if tk is not None:  # places past the last expert's padded end stay undefined: nothing reads them
+        return tk.tiles(x_MK, rows.src_P, rows.poffs_L[-1:], fmt, wgrad, rows.layout_P.numel())
     return tiles_reference(x_MK, _places(rows, x_MK.shape[0]), fmt, wgrad,
                            torch.bfloat16 if x_MK.is_cuda else x_MK.dtype)
 
 
 def _weights(w_LKN, fmt: str, amax):
-    kernels = load("triton_fp8_blockwise", w_LKN)
-    return (kernels.weight_blocks if kernels is not None else weight_blocks_reference)(w_LKN, fmt, amax)
+    tk = kernels.load("triton_fp8_blockwise", w_LKN)
+    return (tk.weight_blocks if tk is not None else weight_blocks_reference)(w_LKN, fmt, amax)
 
 
 def _m_grouped(dg: ModuleType, a: tuple, b: tuple, d: torch.Tensor, layout_P: torch.Tensor) -> None:
@@ -193,11 +200,13 @@ def _m_grouped(dg: ModuleType, a: tuple, b: tuple, d: torch.Tensor, layout_P: to
 
 class _DeepGEMMGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, dg: ModuleType, wgrad: bool):
+    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, dg: ModuleType, wgrad: bool, sync, dense_w):
+        """``dense_w``: a dense linear's weight (N, K), of which ``w_LKN`` is the (1, K, N) view (``linear``)."""
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         fwd, _ = spec.formats()
-        rows = rows_aligned(offs_L, M) if spec.rows_align % BLOCK == 0 else rows_of(offs_L, M)
+        aligned = spec.rows_align % BLOCK == 0 or (dense_w is not None and M % BLOCK == 0)
+        rows = rows_aligned(offs_L, M) if aligned else rows_of(offs_L, M)
         xq_PK, xs_KP, xw_PK = _tiles(x_MK, rows, fwd, wgrad)
         wq_LKN, wqt_LNK, ws_LKN = spec.cached_weight(
             "blocks", w_LKN, lambda: _weights(w_LKN, fwd, spec.weight_amax(w_LKN)))
@@ -209,6 +218,10 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
         # offload (ActivationOffload) a copy of it while the cache keeps it on the device anyway
         ctx.weight = (wq_LKN, ws_LKN)
         ctx.spec, ctx.dg, ctx.dtypes = spec, dg, (x_MK.dtype, w_LKN.dtype)
+        # the parameter that takes the main grad (wgrad_fusion); a dense one's tokens pad to this many places
+        ctx.param = (dense_w if dense_w is not None else w_LKN) if sync is not None else None
+        ctx.w_shape = w_LKN.shape
+        ctx.sync, ctx.dense_end = sync, -(-M // BLOCK) * BLOCK if dense_w is not None else None
         return _unplace(y_PN, rows, M).to(x_MK.dtype)
 
     @staticmethod
@@ -229,10 +242,20 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
             # B = W (L, K, N): dgrad reduces over N, which W holds contiguous; the same blocks and scales
             _m_grouped(ctx.dg, (dyq_PN, dys_NP.t()), (wq_LKN, ws_LKN), dx_PK, rows.layout_P)
             dx = _unplace(dx_PK, rows, dy_MN.shape[0]).to(x_dtype)
-        if want_w:
+        if want_w and ctx.sync is not None:  # into the fp32 main grad: no bf16 gradient for GradSync to add
+            if ctx.dense_end is not None:  # main (N, K) = dy^T x over the tokens and their zero padding
+                e = ctx.dense_end
+                ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wgrad_fusion.wgrad_into(
+                    main, dyw_PN[:e], xw_PK[:e], first))
+            else:
+                ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wgrad_fusion.grouped_wgrad_into(
+                    main, xw_PK, dyw_PN, rows.poffs_L, first))
+            # never read: it only fires the hook (GradSync drops it)
+            dw = torch.empty(ctx.w_shape, dtype=w_dtype, device=xw_PK.device)
+        elif want_w:
             dw = F.grouped_mm(xw_PK.t(), dyw_PN, offs=rows.poffs_L.to(torch.int32)).to(w_dtype)
-        ctx.weight = None
-        return dx, dw, None, None, None, None
+        ctx.weight = ctx.param = None
+        return dx, dw, None, None, None, None, None, None
 
 
 def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec,
@@ -240,7 +263,39 @@ def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, sp
     """``y_g = x_g W_g`` for each expert: forward and dgrad on DeepGEMM (``dg``: it, or a stand-in with its API),
     wgrad on torch's bf16 grouped GEMM with the recipe's quantization."""
     wgrad = torch.is_grad_enabled() and w_LKN.requires_grad  # no wgrad operand in validation or for frozen experts
-    return _DeepGEMMGroupedMM.apply(x_MK, w_LKN, offs_L, spec, dg if dg is not None else deep_gemm(), wgrad)
+    return _DeepGEMMGroupedMM.apply(x_MK, w_LKN, offs_L, spec, dg if dg is not None else deep_gemm(), wgrad,
+                                    _main_grad_sink(w_LKN, x_MK, grouped=True) if wgrad else None, None)
+
+
+def _main_grad_sink(w: torch.Tensor, x_MK: torch.Tensor, grouped: bool):
+    """The GradSync that takes ``w``'s gradient into its fp32 main grad (``wgrad_fusion``), where the wgrad can go
+    there: a 16-bit weight, not under autocast (``w`` is then a cast copy); grouped, on Triton's grouped wgrad."""
+    sync = wgrad_fusion.sink_of(w)
+    if sync is None or torch.is_autocast_enabled(x_MK.device.type) or w.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return None if grouped and x_MK.is_cuda and kernels.load("triton_grouped_wgrad", x_MK) is None else sync
+
+
+def linear_runs(spec: FP8Spec, x: torch.Tensor, w_NK: torch.Tensor) -> bool:
+    """Whether a dense linear runs as one expert of the grouped path (``linear``): the blockwise recipe in E4M3, bf16
+    input and weight (the kernel writes bf16), 128-multiple dims, DeepGEMM here, and no FP8 parameter all-gather
+    amaxes to reuse (the dense path's ``fp8_mm`` takes those)."""
+    return (not spec.emulate and spec.presets is None and x.dtype == w_NK.dtype == torch.bfloat16
+            and runs(spec, x, w_NK.t().unsqueeze(0)))
+
+
+def linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec, dg: Optional[ModuleType] = None) -> torch.Tensor:
+    """``x W^T`` for a dense blockwise linear, as a single expert of the grouped path: the same Triton quantizers
+    (activation tiles and wgrad operand in one pass) and DeepGEMM's grouped kernel, the tokens used in place when
+    they are a multiple of 128, and the wgrad (cuBLAS, on the dequantized operands) into the main grad under
+    GradSync's fusion."""
+    x_MK = x.reshape(-1, x.shape[-1])
+    wgrad = torch.is_grad_enabled() and w_NK.requires_grad
+    offs_L = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x.device)
+    y_MN = _DeepGEMMGroupedMM.apply(x_MK, w_NK.t().unsqueeze(0), offs_L, spec,
+                                    dg if dg is not None else deep_gemm(), wgrad,
+                                    _main_grad_sink(w_NK, x_MK, grouped=False) if wgrad else None, w_NK)
+    return y_MN.reshape(*x.shape[:-1], w_NK.shape[0])
 
 
 def dense_runs(a_MK: torch.Tensor, ta: Tiling, tb: Tiling, fmts: tuple[str, str], out_dtype: torch.dtype) -> bool:

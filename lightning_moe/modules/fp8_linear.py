@@ -143,5 +143,9 @@ class _FP8Linear(torch.autograd.Function):
 
 
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torch.Tensor:
-    """``x W^T`` in FP8 (forward, dgrad and wgrad)."""
+    """``x W^T`` in FP8 (forward, dgrad and wgrad); the blockwise recipe in bf16 on the experts' DeepGEMM path where
+    it runs (``fp8_deepgemm.linear``)."""
+    from lightning_moe.modules import fp8_deepgemm  # it builds on this module
+    if spec.recipe == "blockwise" and fp8_deepgemm.linear_runs(spec, x, w_NK):
+        return fp8_deepgemm.linear(x, w_NK, spec)
     return _FP8Linear.apply(x, w_NK, spec)

@@ -210,20 +210,25 @@ def _dense_on_cpu(a, b, d, c=None, recipe=None, disable_ue8m0_cast=False):
     d.copy_(a_f @ b_f.t())
 
 
-def test_dense_linear_matches_the_emulation(monkeypatch):
-    """A blockwise dense linear with DeepGEMM's dense kernel (forward and dgrad 1 x 128 by 128 x 128, wgrad 1 x 128
-    by 1 x 128 along the tokens) equals the emulation. Its forward and dgrad kernel writes bf16: fp32 outputs keep
-    the emulation there."""
+@pytest.mark.parametrize("tokens", [100, 128])
+def test_dense_linear_matches_the_emulation(monkeypatch, tokens):
+    """A blockwise dense linear equals the emulation. In bf16 it runs as one expert of the grouped path (forward and
+    dgrad on the m-grouped kernel, the tokens in place when they are a multiple of 128, wgrad on the dequantized
+    operands); fp32 outputs keep the emulation for forward and dgrad (the kernels write bf16) and take the dense
+    kernel's 1 x 128 by 1 x 128 wgrad along the tokens."""
     from lightning_moe.modules.fp8_linear import fp8_linear
     calls = []
-    fake = types.SimpleNamespace(fp8_gemm_nt=lambda *a, **kw: calls.append(kw.get("recipe")) or _dense_on_cpu(*a, **kw))
+    fake = types.SimpleNamespace(
+        fp8_gemm_nt=lambda *a, **kw: calls.append(kw.get("recipe")) or _dense_on_cpu(*a, **kw),
+        m_grouped_fp8_gemm_nt_contiguous=lambda *a, **kw: calls.append("grouped") or _m_grouped_on_cpu(*a, **kw),
+        get_mk_alignment_for_contiguous_layout=lambda: 128)
     monkeypatch.setattr(dgm, "available", lambda device: True)
     monkeypatch.setattr(dgm, "deep_gemm", lambda: fake)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 100, 256, generator=g) * torch.logspace(-1, 1, 256)  # 200 tokens: wgrad pads them to 256
+    x = torch.randn(2, tokens, 256, generator=g) * torch.logspace(-1, 1, 256)  # 200 tokens: padded to 256
     w = torch.randn(384, 256, generator=g) * 0.05
-    dy = torch.randn(2, 100, 384, generator=g)
-    for dtype, kernels in ((torch.bfloat16, [None, None, (1, 1, 128)]), (torch.float32, [(1, 1, 128)])):
+    dy = torch.randn(2, tokens, 384, generator=g)
+    for dtype, kernels in ((torch.bfloat16, ["grouped", "grouped"]), (torch.float32, [(1, 1, 128)])):
         out = []
         for emulate in (True, False):
             calls.clear()
@@ -347,3 +352,64 @@ def test_the_experts_pass_their_row_alignment_to_fp8():
             assert m.rows_align == align
             g = types.SimpleNamespace(grouped=True, module=m, name="experts.fc1")
             assert FP8Training("blockwise")._spec(g, None).rows_align == align
+
+
+def test_expert_wgrad_goes_into_the_main_grad():
+    """Under GradSync's gradient-accumulation fusion the wgrad of the dequantized operands is summed in fp32 straight
+    into ``main_grad`` (no bf16 gradient for the hook to add): the unfused path's sum, less its per-micro-batch bf16
+    rounding; the dgrad is untouched."""
+    from lightning_moe.strategy.grad_sync import GradSync
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    x, w0, dy = _data()
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    out = {}
+    for fuse in (False, True):
+        w = torch.nn.Parameter(w0.bfloat16())
+        w.wgrad_fusable = True
+        sync = GradSync([w], ParallelContext.single(), main_grads=True, fuse_wgrad=fuse)
+        dxs = []
+        for i in range(3):
+            xx = (x * (i + 1)).bfloat16().requires_grad_()
+            if i == 2:
+                sync.arm()
+            dgm.grouped_mm(xx, w, offs, FP8Spec("blockwise"), FAKE).backward(dy.bfloat16())
+            dxs.append(xx.grad[:170].float())
+        sync.finish()
+        out[fuse] = (w.main_grad.clone(), dxs, [id(p) for p in sync.fused_params] == [id(w)])
+    assert out[True][2] and not out[False][2]
+    for a, b in zip(out[True][1], out[False][1]):
+        assert torch.equal(a, b)
+    rel = ((out[True][0] - out[False][0]).norm() / out[False][0].norm()).item()
+    assert 0 < rel < 4e-3, rel  # the unfused path rounds each micro-batch's gradient to bf16
+
+
+@pytest.mark.parametrize("tokens", [100, 128])
+def test_dense_wgrad_goes_into_the_main_grad(monkeypatch, tokens):
+    """A dense blockwise linear on the grouped path sums its wgrad in fp32 into ``main_grad`` under GradSync's fusion
+    (the tokens' zero padding adds nothing); the input gradient is untouched."""
+    from lightning_moe.modules.fp8_linear import fp8_linear
+    from lightning_moe.strategy.grad_sync import GradSync
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    monkeypatch.setattr(dgm, "available", lambda device: True)
+    monkeypatch.setattr(dgm, "deep_gemm", lambda: FAKE)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, tokens, 256, generator=g)
+    w0 = torch.randn(384, 256, generator=g) * 0.05
+    dy = torch.randn(2, tokens, 384, generator=g)
+    out = {}
+    for fuse in (False, True):
+        w = torch.nn.Parameter(w0.bfloat16())
+        w.wgrad_fusable = True
+        sync = GradSync([w], ParallelContext.single(), main_grads=True, fuse_wgrad=fuse)
+        dxs = []
+        for i in range(2):
+            xx = (x * (i + 1)).bfloat16().requires_grad_()
+            if i == 1:
+                sync.arm()
+            fp8_linear(xx, w, FP8Spec("blockwise")).backward(dy.bfloat16())
+            dxs.append(xx.grad.float())
+        sync.finish()
+        out[fuse] = (w.main_grad.clone(), dxs)
+    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1]))
+    rel = ((out[True][0] - out[False][0]).norm() / out[False][0].norm()).item()
+    assert 0 < rel < 4e-3, rel
