@@ -84,7 +84,7 @@ def test_dense_deepgemm_matches_emulation(tokens):
             out = []
             for emulate in (True, False):
                 calls.clear()
-                xx, ww = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+                xx, ww = x.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
                 y = fp8_linear(xx, ww, FP8Spec("blockwise", emulate=emulate))
                 y.backward(dy.to(dtype))
                 out.append((y, xx.grad, ww.grad))
