@@ -354,32 +354,39 @@ def test_the_experts_pass_their_row_alignment_to_fp8():
             assert FP8Training("blockwise")._spec(g, None).rows_align == align
 
 
-def test_expert_wgrad_goes_into_the_main_grad():
-    """Under GradSync's gradient-accumulation fusion the wgrad of the dequantized operands is summed in fp32 straight
-    into ``main_grad`` (no bf16 gradient for the hook to add): the unfused path's sum, less its per-micro-batch bf16
-    rounding; the dgrad is untouched."""
+def _fused_against_unfused(w0, x, dy, gemm, micro: int = 3, valid=None):
+    """``gemm(x_i, w)`` over ``micro`` micro-batches (x scaled by i + 1) under GradSync with and without its
+    gradient-accumulation fusion: asserts equal input gradients (their first ``valid`` rows) and returns the main
+    grads' relative difference."""
     from lightning_moe.strategy.grad_sync import GradSync
     from lightning_moe.strategy.parallel_context import ParallelContext
-    x, w0, dy = _data()
-    offs = torch.tensor(OFFS, dtype=torch.int32)
     out = {}
     for fuse in (False, True):
         w = torch.nn.Parameter(w0.bfloat16())
         w.wgrad_fusable = True
         sync = GradSync([w], ParallelContext.single(), main_grads=True, fuse_wgrad=fuse)
+        assert [id(p) for p in sync.fused_params] == ([id(w)] if fuse else [])
         dxs = []
-        for i in range(3):
+        for i in range(micro):
             xx = (x * (i + 1)).bfloat16().requires_grad_()
-            if i == 2:
+            if i == micro - 1:
                 sync.arm()
-            dgm.grouped_mm(xx, w, offs, FP8Spec("blockwise"), FAKE).backward(dy.bfloat16())
-            dxs.append(xx.grad[:170].float())
+            gemm(xx, w).backward(dy.bfloat16())
+            dxs.append(xx.grad[:valid].float())
         sync.finish()
-        out[fuse] = (w.main_grad.clone(), dxs, [id(p) for p in sync.fused_params] == [id(w)])
-    assert out[True][2] and not out[False][2]
-    for a, b in zip(out[True][1], out[False][1]):
-        assert torch.equal(a, b)
-    rel = ((out[True][0] - out[False][0]).norm() / out[False][0].norm()).item()
+        out[fuse] = (w.main_grad.clone(), dxs)
+    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1]))
+    return ((out[True][0] - out[False][0]).norm() / out[False][0].norm()).item()
+
+
+def test_expert_wgrad_goes_into_the_main_grad():
+    """Under GradSync's gradient-accumulation fusion the wgrad of the dequantized operands is summed in fp32 straight
+    into ``main_grad`` (no bf16 gradient for the hook to add): the unfused path's sum, less its per-micro-batch bf16
+    rounding; the dgrad is untouched."""
+    x, w0, dy = _data()
+    offs = torch.tensor(OFFS, dtype=torch.int32)
+    rel = _fused_against_unfused(w0, x, dy, lambda xx, w: dgm.grouped_mm(xx, w, offs, FP8Spec("blockwise"), FAKE),
+                                 valid=170)
     assert 0 < rel < 4e-3, rel  # the unfused path rounds each micro-batch's gradient to bf16
 
 
@@ -388,28 +395,11 @@ def test_dense_wgrad_goes_into_the_main_grad(monkeypatch, tokens):
     """A dense blockwise linear on the grouped path sums its wgrad in fp32 into ``main_grad`` under GradSync's fusion
     (the tokens' zero padding adds nothing); the input gradient is untouched."""
     from lightning_moe.modules.fp8_linear import fp8_linear
-    from lightning_moe.strategy.grad_sync import GradSync
-    from lightning_moe.strategy.parallel_context import ParallelContext
     monkeypatch.setattr(dgm, "available", lambda device: True)
     monkeypatch.setattr(dgm, "deep_gemm", lambda: FAKE)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, tokens, 256, generator=g)
     w0 = torch.randn(384, 256, generator=g) * 0.05
     dy = torch.randn(2, tokens, 384, generator=g)
-    out = {}
-    for fuse in (False, True):
-        w = torch.nn.Parameter(w0.bfloat16())
-        w.wgrad_fusable = True
-        sync = GradSync([w], ParallelContext.single(), main_grads=True, fuse_wgrad=fuse)
-        dxs = []
-        for i in range(2):
-            xx = (x * (i + 1)).bfloat16().requires_grad_()
-            if i == 1:
-                sync.arm()
-            fp8_linear(xx, w, FP8Spec("blockwise")).backward(dy.bfloat16())
-            dxs.append(xx.grad.float())
-        sync.finish()
-        out[fuse] = (w.main_grad.clone(), dxs)
-    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1]))
-    rel = ((out[True][0] - out[False][0]).norm() / out[False][0].norm()).item()
+    rel = _fused_against_unfused(w0, x, dy, lambda xx, w: fp8_linear(xx, w, FP8Spec("blockwise")), micro=2)
     assert 0 < rel < 4e-3, rel
