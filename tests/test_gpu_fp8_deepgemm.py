@@ -161,3 +161,47 @@ def test_blockwise_step_on_deepgemm_has_no_host_sync(align, bf16):
         dg.m_grouped_fp8_gemm_nt_contiguous, dg.fp8_gemm_nt = real, real_dense
     assert calls and (dense or bf16) and all(torch.isfinite(v).item() for v in losses)
     assert losses[-1].item() < losses[0].item()
+
+
+@deepgemm
+def test_fp8_wgrad_matches_the_bf16_wgrad(monkeypatch):
+    """The wgrad on FP8 tensor cores (``triton_fp8_wgrad``: E4M3 operands, each 128-token block promoted with its
+    scales, the experts' offsets read on the device) against the bf16 GEMM of the same operands dequantized: they
+    differ by the bf16 rounding of those operands. Experts (scattered and aligned), the dense linear, and both into the
+    main grads over two micro-batches; forward and dgrad are untouched."""
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    from lightning_moe.strategy.grad_sync import GradSync
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    x, w, dy, offs, valid = _data()
+    ends = [0] + offs.tolist()
+
+    def main_grads(gemm, w0, xs, dys):
+        p = torch.nn.Parameter(w0.clone())
+        p.wgrad_fusable = True
+        sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+        for i, (xi, dyi) in enumerate(zip(xs, dys)):
+            if i == len(xs) - 1:
+                sync.arm()
+            gemm(xi.clone().requires_grad_(), p).backward(dyi)
+        sync.finish()
+        return p.main_grad.clone()
+
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(dgm, "FP8_WGRAD", on)
+        assert dgm.fp8_wgrad(x) == on
+        got[on] = (_grouped(FP8Spec("blockwise"), x, w, dy, offs, valid),
+                   main_grads(lambda xi, p: dgm.grouped_mm(xi, p, offs, FP8Spec("blockwise")), w, [x, 2 * x],
+                              [dy, dy]),
+                   main_grads(lambda xi, p: fp8_linear(xi, p, FP8Spec("blockwise")), w[0].t().contiguous(),
+                              [x[:1000], x[1000:2000]], [dy[:1000], dy[1000:2000]]))
+    (y1, dx1, dw1), mg1, dense1 = got[True][0], got[True][1], got[True][2]
+    (y0, dx0, dw0), mg0, dense0 = got[False][0], got[False][1], got[False][2]
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    for e in range(w.shape[0]):  # each expert: an error in one expert's token range hides in the whole
+        if ends[e + 1] > ends[e]:
+            assert _rel(dw1[e], dw0[e]) < 1e-2, (e, _rel(dw1[e], dw0[e]))
+            assert _rel(mg1[e], mg0[e]) < 1e-2, (e, _rel(mg1[e], mg0[e]))
+        else:
+            assert not dw1[e].any() and not mg1[e].any()
+    assert _rel(dense1, dense0) < 1e-2, _rel(dense1, dense0)

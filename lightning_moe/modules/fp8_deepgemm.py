@@ -47,6 +47,7 @@ from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, scale_of
 from lightning_moe.modules.fp8_linear import FP8Spec
 
 ENABLED = os.environ.get("LMOE_DEEPGEMM", "1") != "0"
+FP8_WGRAD = os.environ.get("LMOE_DEEPGEMM_FP8_WGRAD", "1") != "0"
 _IMPORTED: dict[str, Optional[ModuleType]] = {}  # a cache of the imported module, not state
 
 
@@ -175,10 +176,20 @@ def weight_blocks_reference(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.
     return q, q.transpose(1, 2).contiguous(), scale.reciprocal().reshape(L, K // BLOCK, N // BLOCK)
 
 
-def _tiles(x_MK, rows: Rows, fmt: str, wgrad: bool):
+def fp8_wgrad(t: torch.Tensor) -> bool:
+    """Whether the wgrad runs on FP8 tensor cores (``triton_fp8_wgrad``): on CUDA with triton (not the interpreter,
+    whose dot has no FP8), unless ``LMOE_DEEPGEMM_FP8_WGRAD=0`` (the bf16 GEMM of the dequantized operands)."""
+    return (FP8_WGRAD and t.is_cuda and not kernels.interpreting()
+            and kernels.load("triton_fp8_wgrad", t) is not None)
+
+
+def _tiles(x_MK, rows: Rows, fmt: str, wgrad: bool, fp8: Optional[bool] = None):
+    """(q, scales, wgrad operand): the operand as bf16 dequantized values (P, K), or with ``fp8`` (default:
+    ``fp8_wgrad``) as (E4M3 transposed (K, P), scales (P / 128, K))."""
     tk = kernels.load("triton_fp8_blockwise", x_MK)
     if tk is not None:  # places past the last expert's padded end stay undefined: nothing reads them
-        return tk.tiles(x_MK, rows.src_P, rows.poffs_L[-1:], fmt, wgrad, rows.layout_P.numel())
+        return tk.tiles(x_MK, rows.src_P, rows.poffs_L[-1:], fmt, wgrad, rows.layout_P.numel(),
+                        wgrad_fp8=wgrad and (fp8_wgrad(x_MK) if fp8 is None else fp8))
     return tiles_reference(x_MK, _places(rows, x_MK.shape[0]), fmt, wgrad,
                            torch.bfloat16 if x_MK.is_cuda else x_MK.dtype)
 
@@ -207,13 +218,14 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
         fwd, _ = spec.formats()
         aligned = spec.rows_align % BLOCK == 0 or (dense_w is not None and M % BLOCK == 0)
         rows = rows_aligned(offs_L, M) if aligned else rows_of(offs_L, M)
-        xq_PK, xs_KP, xw_PK = _tiles(x_MK, rows, fwd, wgrad)
+        xq_PK, xs_KP, xw = _tiles(x_MK, rows, fwd, wgrad)
         wq_LKN, wqt_LNK, ws_LKN = spec.cached_weight(
             "blocks", w_LKN, lambda: _weights(w_LKN, fwd, spec.weight_amax(w_LKN)))
         y_PN = xq_PK.new_empty(xq_PK.shape[0], N, dtype=torch.bfloat16)
         # B = W^T (L, N, K) with its scales as (L, N / 128, K / 128): the (L, K / 128, N / 128) grid transposed
         _m_grouped(dg, (xq_PK, xs_KP.t()), (wqt_LNK, ws_LKN.transpose(1, 2)), y_PN, rows.layout_P)
-        ctx.save_for_backward(xw_PK, *rows)
+        ctx.fp8_wgrad = isinstance(xw, tuple)
+        ctx.save_for_backward(*(xw if ctx.fp8_wgrad else (xw, None)), *rows)
         # the FP8 weight is the step's cached copy, not an activation: kept off the saved-tensor hooks, which would
         # offload (ActivationOffload) a copy of it while the cache keeps it on the device anyway
         ctx.weight = (wq_LKN, ws_LKN)
@@ -226,36 +238,52 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_MN):
-        xw_PK, *saved = ctx.saved_tensors
+        xw0, xw1, *saved = ctx.saved_tensors
+        xw = (xw0, xw1) if ctx.fp8_wgrad else xw0
         rows = Rows(*saved)
         wq_LKN, ws_LKN = ctx.weight
         _, bwd = ctx.spec.formats()
         x_dtype, w_dtype = ctx.dtypes
         want_x, want_w = ctx.needs_input_grad[:2]
-        if want_w and xw_PK is None:
+        if want_w and xw0 is None:
             raise RuntimeError("FP8 experts on DeepGEMM: the weight gradient is needed, but the forward ran without "
                                "grad enabled and kept no wgrad operand")
         dx = dw = None
-        dyq_PN, dys_NP, dyw_PN = _tiles(dy_MN, rows, bwd, wgrad=want_w)
+        dyq_PN, dys_NP, dyw = _tiles(dy_MN, rows, bwd, wgrad=want_w, fp8=ctx.fp8_wgrad)
         if want_x:
             dx_PK = dyq_PN.new_empty(dyq_PN.shape[0], wq_LKN.shape[1], dtype=torch.bfloat16)
             # B = W (L, K, N): dgrad reduces over N, which W holds contiguous; the same blocks and scales
             _m_grouped(ctx.dg, (dyq_PN, dys_NP.t()), (wq_LKN, ws_LKN), dx_PK, rows.layout_P)
             dx = _unplace(dx_PK, rows, dy_MN.shape[0]).to(x_dtype)
         if want_w and ctx.sync is not None:  # into the fp32 main grad: no bf16 gradient for GradSync to add
-            if ctx.dense_end is not None:  # main (N, K) = dy^T x over the tokens and their zero padding
-                e = ctx.dense_end
-                ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wgrad_fusion.wgrad_into(
-                    main, dyw_PN[:e], xw_PK[:e], first))
-            else:
-                ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wgrad_fusion.grouped_wgrad_into(
-                    main, xw_PK, dyw_PN, rows.poffs_L, first))
+            ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: _wgrad_into_main(
+                main, xw, dyw, rows.poffs_L, ctx.dense_end, first))
             # never read: it only fires the hook (GradSync drops it)
-            dw = torch.empty(ctx.w_shape, dtype=w_dtype, device=xw_PK.device)
+            dw = torch.empty(ctx.w_shape, dtype=w_dtype, device=dy_MN.device)
+        elif want_w and ctx.fp8_wgrad:
+            dw = torch.empty(ctx.w_shape, dtype=w_dtype, device=dy_MN.device)
+            kernels.load("triton_fp8_wgrad", dy_MN).wgrad_into(dw, xw, dyw, rows.poffs_L, True)
         elif want_w:
-            dw = F.grouped_mm(xw_PK.t(), dyw_PN, offs=rows.poffs_L.to(torch.int32)).to(w_dtype)
+            dw = F.grouped_mm(xw.t(), dyw, offs=rows.poffs_L.to(torch.int32)).to(w_dtype)
         ctx.weight = ctx.param = None
         return dx, dw, None, None, None, None, None, None
+
+
+def _wgrad_into_main(main: torch.Tensor, xw, dyw, poffs_L: torch.Tensor, dense_end: Optional[int],
+                     first: bool) -> None:
+    """The wgrad written (``first``) or added into ``main``: the experts' (L, K, N) = x^T dy per expert, or a dense
+    linear's (N, K) = dy^T x over its tokens and their zero padding (``dense_end`` places); from FP8 operands (a tuple,
+    ``fp8_wgrad``) or bf16 dequantized ones."""
+    if isinstance(xw, tuple):
+        tk = kernels.load("triton_fp8_wgrad", main)
+        if dense_end is not None:
+            tk.wgrad_into(main.unsqueeze(0), dyw, xw, poffs_L, first)
+        else:
+            tk.wgrad_into(main, xw, dyw, poffs_L, first)
+    elif dense_end is not None:
+        wgrad_fusion.wgrad_into(main, dyw[:dense_end], xw[:dense_end], first)
+    else:
+        wgrad_fusion.grouped_wgrad_into(main, xw, dyw, poffs_L, first)
 
 
 def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec,

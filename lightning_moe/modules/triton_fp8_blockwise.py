@@ -64,11 +64,13 @@ def _rows(x_ptr, src_ptr, p, cols, M, K, SRC: tl.constexpr):
 
 
 @triton.jit
-def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, P, M, K, FMAX: tl.constexpr, TINY: tl.constexpr,
-                  WGRAD: tl.constexpr, SRC: tl.constexpr, HW: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
+def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, sc_ptr, P, M, K, FMAX: tl.constexpr,
+                  TINY: tl.constexpr, WGRAD: tl.constexpr, WGRAD_FP8: tl.constexpr, SRC: tl.constexpr,
+                  HW: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
     """One 128 x 128 tile in chunks of R rows: the column amaxes over all its rows first (the chunks' second read
-    comes from L2), then each chunk's row tiles and column-quantized values. Tiles past the last expert's padded end
-    (no GEMM reads them) are left alone."""
+    comes from L2), then each chunk's row tiles and column-quantized values (``WGRAD_FP8``: as E4M3 transposed to
+    (K, P), with the dequantization scales (P / 128, K); else dequantized to bf16). Tiles past the last expert's
+    padded end (no GEMM reads them) are left alone."""
     p0 = tl.program_id(0) * T
     if p0 < tl.load(end_ptr):
         cols = tl.program_id(1) * T + tl.arange(0, T)
@@ -87,15 +89,21 @@ def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, P, M, K, FMAX: 
             tl.store(q_ptr + at, _e4m3(x * scale_r[:, None], FMAX, HW))
             tl.store(sf_ptr + tl.program_id(1).to(tl.int64) * P + p,
                      tl.math.div_rn(tl.full((R,), 1.0, tl.float32), scale_r))
-            if WGRAD:  # dequantized as the GEMMs do: times the reciprocal scale
+            if WGRAD_FP8:  # K-major for the wgrad GEMM, which reduces over the places
+                tl.store(w_ptr + cols.to(tl.int64)[:, None] * P + p[None, :],
+                         tl.trans(_e4m3(x * scale_c[None, :], FMAX, HW)))
+            elif WGRAD:  # dequantized as the GEMMs do: times the reciprocal scale
                 tl.store(w_ptr + at, _bf16(_e4m3(x * scale_c[None, :], FMAX, HW).to(tl.float32) * inv_c[None, :], HW))
+        if WGRAD_FP8:
+            tl.store(sc_ptr + tl.program_id(0).to(tl.int64) * K + cols, inv_c)
 
 
 def tiles(x_MK: torch.Tensor, src_P: Optional[torch.Tensor], end: torch.Tensor, fmt: str, wgrad: bool,
-          P: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+          P: Optional[int] = None, wgrad_fp8: bool = False) -> tuple:
     """``fp8_deepgemm.tiles_reference(x_MK, src_P, fmt, wgrad, torch.bfloat16)``'s values (E4M3: the recipe's) in the
     places before ``end`` (a one-element tensor: the last expert's padded end); undefined after it. Without ``src_P``,
-    ``P`` places (a multiple of 128, at least M) read rows 0..P-1, zeros past M."""
+    ``P`` places (a multiple of 128, at least M) read rows 0..P-1, zeros past M. ``wgrad_fp8``: the wgrad operand as
+    (its E4M3 values transposed (K, P), their dequantization scales (P / 128, K)) for ``triton_fp8_wgrad``."""
     assert fmt == "e4m3", "the rounding is E4M3's"
     dtype, fmax = FORMATS[fmt]
     x_MK = x_MK.contiguous()
@@ -103,14 +111,20 @@ def tiles(x_MK: torch.Tensor, src_P: Optional[torch.Tensor], end: torch.Tensor, 
     P = src_P.numel() if src_P is not None else P
     q = torch.empty(P, K, device=x_MK.device, dtype=dtype)
     sf = torch.empty(K // BLOCK, P, device=x_MK.device, dtype=torch.float32)
-    w = torch.empty(P, K, device=x_MK.device, dtype=torch.bfloat16) if wgrad else None
+    w = sc = None
+    if wgrad and wgrad_fp8:
+        w = torch.empty(K, P, device=x_MK.device, dtype=dtype)
+        sc = torch.empty(P // BLOCK, K, device=x_MK.device, dtype=torch.float32)
+    elif wgrad:
+        w = torch.empty(P, K, device=x_MK.device, dtype=torch.bfloat16)
     if P:
         _tiles_kernel[(P // BLOCK, K // BLOCK)](x_MK, src_P if src_P is not None else end, end, q, sf,
-                                                w if wgrad else q, P, M, K, FMAX=fmax, TINY=_TINY, WGRAD=wgrad,
+                                                w if wgrad else q, sc if sc is not None else sf, P, M, K, FMAX=fmax,
+                                                TINY=_TINY, WGRAD=wgrad, WGRAD_FP8=sc is not None,
                                                 SRC=src_P is not None, HW=not interpreting(), T=BLOCK, R=ROWS,
                                                 num_warps=4,
                                                 enable_fp_fusion=False)
-    return q, sf, w
+    return q, sf, (w, sc) if sc is not None else w
 
 
 @triton.jit
