@@ -294,16 +294,7 @@ def grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, sp
     wgrad on torch's bf16 grouped GEMM with the recipe's quantization."""
     wgrad = torch.is_grad_enabled() and w_LKN.requires_grad  # no wgrad operand in validation or for frozen experts
     return _DeepGEMMGroupedMM.apply(x_MK, w_LKN, offs_L, spec, dg if dg is not None else deep_gemm(), wgrad,
-                                    _main_grad_sink(w_LKN, x_MK, grouped=True) if wgrad else None, None)
-
-
-def _main_grad_sink(w: torch.Tensor, x_MK: torch.Tensor, grouped: bool):
-    """The GradSync that takes ``w``'s gradient into its fp32 main grad (``wgrad_fusion``), where the wgrad can go
-    there: a 16-bit weight, not under autocast (``w`` is then a cast copy); grouped, on Triton's grouped wgrad."""
-    sync = wgrad_fusion.sink_of(w)
-    if sync is None or torch.is_autocast_enabled(x_MK.device.type) or w.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return None if grouped and x_MK.is_cuda and kernels.load("triton_grouped_wgrad", x_MK) is None else sync
+                                    wgrad_fusion.sink_for(w_LKN, x_MK, grouped=True) if wgrad else None, None)
 
 
 def linear_runs(spec: FP8Spec, x: torch.Tensor, w_NK: torch.Tensor) -> bool:
@@ -324,7 +315,7 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec, dg: Optional[Modu
     offs_L = torch.full((1,), x_MK.shape[0], dtype=torch.int32, device=x.device)
     y_MN = _DeepGEMMGroupedMM.apply(x_MK, w_NK.t().unsqueeze(0), offs_L, spec,
                                     dg if dg is not None else deep_gemm(), wgrad,
-                                    _main_grad_sink(w_NK, x_MK, grouped=False) if wgrad else None, w_NK)
+                                    wgrad_fusion.sink_for(w_NK, x_MK, grouped=False) if wgrad else None, w_NK)
     return y_MN.reshape(*x.shape[:-1], w_NK.shape[0])
 
 

@@ -43,6 +43,17 @@ def sink_of(w: torch.Tensor):
     return ref() if ref is not None else None
 
 
+def sink_for(w: torch.Tensor, x: torch.Tensor, grouped: bool):
+    """The GradSync that takes ``w``'s gradient into its main grad in a GEMM of ``x`` with ``w``, or None: a 16-bit
+    weight (an fp32 one's autograd gradient is already fp32) that needs a gradient, not under autocast (``w`` is
+    then a cast copy); a grouped GEMM on CUDA needs triton (the fp32 reference's grouped_mm syncs with the host)."""
+    sync = sink_of(w)
+    if (sync is None or not torch.is_grad_enabled() or not w.requires_grad
+            or torch.is_autocast_enabled(x.device.type) or w.dtype not in (torch.bfloat16, torch.float16)):
+        return None
+    return None if grouped and x.is_cuda and kernels.load("triton_grouped_wgrad", x) is None else sync
+
+
 def attach(w: torch.nn.Parameter, sync) -> None:
     # a weak reference: copies of the parameter (deepcopy, checkpoints) never drag the GradSync along
     w.main_grad_sink = weakref.ref(sync)
@@ -138,13 +149,7 @@ class _GroupedWgradIntoMainGrad(torch.autograd.Function):
 def grouped_linear(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor):
     """``grouped_mm(x, w, offs)`` with the weight gradient accumulated straight into ``w.main_grad`` where a GradSync
     asked for it; None where it did not (or under autocast, or without gradients): the caller runs its own GEMM."""
-    sync = sink_of(w_LKN)
-    # 16-bit weights only: an fp32 weight's autograd gradient is already the fp32 one (nothing to save), float64 has
-    # no grouped_mm
-    if (sync is None or not torch.is_grad_enabled() or not w_LKN.requires_grad
-            or torch.is_autocast_enabled(x_MK.device.type) or x_MK.dtype != w_LKN.dtype
-            or w_LKN.dtype not in (torch.bfloat16, torch.float16)):
+    sync = sink_for(w_LKN, x_MK, grouped=True)  # 16-bit weights only: float64 has no grouped_mm
+    if sync is None or x_MK.dtype != w_LKN.dtype:
         return None
-    if x_MK.is_cuda and kernels.load("triton_grouped_wgrad", x_MK) is None:
-        return None  # no triton: the fp32 reference's grouped_mm would sync with the host on CUDA
     return _GroupedWgradIntoMainGrad.apply(x_MK, w_LKN, offs_L, sync)
