@@ -31,6 +31,26 @@ for r in json.load(open(f"{sys.argv[1]}/layer.json"))["records"]:
                round(v["layer_speedup"], 3)) for k, v in r["fp8"].items()})
 PY
   ;;
+wgrad)
+  timeout "${WGRAD_S:-300}" python3 benchmarks/bench_fp8_wgrad.py --shapes ${WGRAD_SHAPES:-mixtral,qwen3} \
+    --out "$OUT/wgrad.json" > /dev/null 2> "$OUT/wgrad.err"
+  echo "wgrad rc=$?"; grep -v "^\[" "$OUT/wgrad.err" | tail -3 | cut -c1-300
+  python3 - "$OUT" <<'PY'
+import json, sys
+for r in json.load(open(f"{sys.argv[1]}/wgrad.json"))["records"]:
+    print(r["shape"], r["gemm"], "tiles", r["tiles_ms"], "bf16", r["bf16"], "blockwise", r["blockwise"],
+          "rowwise", r["rowwise"])
+PY
+  ;;
+profile)
+  for v in ${PROFILES:-"mixtral:fp8-blockwise-cached-aligned:0" "mixtral:fp8-blockwise-cached-aligned:1"}; do
+    shape=${v%%:*}; rest=${v#*:}; prec=${rest%%:*}; fw=${rest#*:}
+    LMOE_DEEPGEMM_FP8_WGRAD=$fw timeout 120 python3 benchmarks/profile_fp8_block.py --shape "$shape" \
+      --precision "$prec" --top 14 --out "$OUT/profile_${shape}_${prec}_$fw.json" > /dev/null 2>&1
+    python3 -c "import json; r=json.load(open('$OUT/profile_${shape}_${prec}_$fw.json'))['runs']
+for k, v in r.items(): print('$shape', k, 'fp8_wgrad=$fw', round(v['median_ms'], 3), round(v['kernel_ms_total'], 3), v['top_kernels_ms'])" \
+      || echo "profile $v failed"
+  done ;;
 model)
   for v in ${VARIANTS:-"mixtral_bf16:mixtral-8x7b:" "mixtral_block:mixtral-8x7b:--fp8 blockwise"}; do
     name=${v%%:*}; rest=${v#*:}; preset=${rest%%:*}; flags=${rest#*:}; flags=${flags//,/ }  # commas: spaces

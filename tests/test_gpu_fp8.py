@@ -54,6 +54,55 @@ def test_scaled_grouped_kernel_matches_emulation(recipe, fmt, fast):
 
 
 @hopper
+@pytest.mark.parametrize("fast", ["fprop", "all"])
+def test_rowwise_triton_wgrad_matches_cutlass(monkeypatch, fast):
+    """The rowwise wgrad on ``triton_fp8_wgrad`` (the default where the Triton quantizers run) against CUTLASS's
+    (``torch._scaled_grouped_mm``), same operands and scales: each expert's gradient (uneven, unaligned and empty
+    experts), precise and fast accumulation; and into the main grads under GradSync's fusion over two micro-batches,
+    where the fp32 sum differs from the unfused bf16 gradients by their rounding only."""
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    from lightning_moe.strategy.grad_sync import GradSync
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    g = torch.Generator(device="cuda").manual_seed(2)
+    L, K, N = 8, 512, 768
+    counts = torch.tensor([300, 0, 17, 513, 128, 77, 1, 1000], device="cuda")
+    offs = counts.cumsum(0).to(torch.int32)
+    ends = [0] + offs.tolist()
+    M = int(counts.sum())
+    x = (torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-1, 1, K, device="cuda")).bfloat16()
+    w = (torch.randn(L, K, N, device="cuda", generator=g) * 0.05).bfloat16()
+    dy = (torch.randn(M, N, device="cuda", generator=g) * 1e-3).bfloat16()
+
+    def main_grad():
+        p = torch.nn.Parameter(w.clone())
+        p.wgrad_fusable = True
+        sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+        for i, scale in enumerate((1.0, 2.0)):
+            if i == 1:
+                sync.arm()
+            fp8_grouped_mm(x.clone().requires_grad_(), p, offs, spec).backward(dy * scale)
+        sync.finish()
+        return p.main_grad.clone()
+
+    spec = FP8Spec("rowwise", fast_accum=fast)
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(kernels, "TRITON_WGRAD", on)
+        got[on] = (_grouped(spec, x, w, dy, offs), main_grad())
+    (y1, dx1, dw1), mg1 = got[True]
+    (y0, dx0, dw0), mg0 = got[False]
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    for e in range(L):
+        if ends[e + 1] > ends[e]:
+            assert _rel(dw1[e], dw0[e]) < 5e-3, (e, _rel(dw1[e], dw0[e]))
+            assert _rel(mg1[e], mg0[e]) < 5e-3, (e, _rel(mg1[e], mg0[e]))
+        else:
+            assert not dw1[e].any() and not mg1[e].any()
+    assert _rel(mg1, mg0) > 0  # the fused sum is fp32, the unfused one adds bf16 gradients
+
+
+@hopper
 @pytest.mark.parametrize("recipe,fast", [("tensorwise", "fprop"), ("rowwise", "fprop"), ("rowwise", "all")])
 def test_scaled_mm_linear_matches_emulation(recipe, fast):
     from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear

@@ -47,7 +47,8 @@ from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, scale_of
 from lightning_moe.modules.fp8_linear import FP8Spec
 
 ENABLED = os.environ.get("LMOE_DEEPGEMM", "1") != "0"
-# opt-in: on one H100 this first FP8 wgrad kernel made the Mixtral block 0.67x bf16, against 1.17x with the bf16 GEMM
+# opt-in: on one H100 the FP8 wgrad (TMA, each 128-token block promoted with its scales) ran at 486 TFLOP/s at the
+# Mixtral fc1 shape into fp32 main grads, against 602 for the bf16 GEMM of the dequantized operands
 FP8_WGRAD = os.environ.get("LMOE_DEEPGEMM_FP8_WGRAD", "0") == "1"
 _IMPORTED: dict[str, Optional[ModuleType]] = {}  # a cache of the imported module, not state
 
@@ -180,7 +181,8 @@ def weight_blocks_reference(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.
 def fp8_wgrad(t: torch.Tensor) -> bool:
     """Whether the wgrad runs on FP8 tensor cores (``triton_fp8_wgrad``): with ``LMOE_DEEPGEMM_FP8_WGRAD=1``, on CUDA
     with triton (not the interpreter, whose dot has no FP8). Otherwise, and by default, on the bf16 GEMM of the
-    dequantized operands, which is faster until that kernel is tuned (``docs/PERFORMANCE.md``)."""
+    dequantized operands, which is faster: the per-block promotion costs the FP8 kernel half its speed
+    (``benchmarks/bench_fp8_wgrad.py``, ``docs/PERFORMANCE.md``)."""
     return (FP8_WGRAD and t.is_cuda and not kernels.interpreting()
             and kernels.load("triton_fp8_wgrad", t) is not None)
 

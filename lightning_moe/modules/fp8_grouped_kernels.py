@@ -11,7 +11,11 @@ onto those rows and columns):
   wgrad    x^T (K, P), per expert and feature   dy (P, N), per expert and feature     tokens (P, padded)
 
 The wgrad GEMM reduces over each expert's tokens with 16-byte loads, so every expert's tokens start on a 16-row
-boundary (``expert_padding.py``: on the device, no host sync). There is no grouped kernel for E5M2 operands (the
+boundary (``expert_padding.py``: on the device, no host sync). Where the rowwise recipe's operands come from the Triton
+quantizers, the wgrad instead runs on ``triton_fp8_wgrad`` (the same operands and scales, each expert's tokens on a
+128-row boundary for its TMA blocks): it writes, or under GradSync's gradient-accumulation fusion adds into, the fp32
+main grad, where the CUTLASS kernel writes a bf16 gradient that GradSync then adds (``LMOE_FP8_TRITON_WGRAD=0``: the
+CUTLASS kernel, for comparisons). There is no grouped kernel for E5M2 operands (the
 hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run emulated.
 
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
@@ -25,6 +29,7 @@ import os
 
 import torch
 
+from lightning_moe.modules import wgrad_fusion
 from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
 from lightning_moe.modules.fp8_grouped import (_cast, _reduced, emulated_dgrad, emulated_wgrad, expert_of_rows,
@@ -34,6 +39,7 @@ from lightning_moe.modules.kernels import load
 
 ALIGN = 16  # rows: 16 bytes of E4M3
 FUSED_QUANT = os.environ.get("LMOE_FP8_TRITON_QUANT", "1") != "0"
+TRITON_WGRAD = os.environ.get("LMOE_FP8_TRITON_WGRAD", "1") != "0"
 
 
 def available(device: torch.device) -> bool:
@@ -86,6 +92,14 @@ def _quant_kernels(spec: FP8Spec, t: torch.Tensor):
     return load("triton_fp8_quant", t)
 
 
+def _wgrad_kernel(tq, t: torch.Tensor):
+    """``triton_fp8_wgrad`` where it takes the wgrad: the Triton quantizers' operands (``tq``), on CUDA (the
+    interpreter's dot has no FP8); else None (CUTLASS's)."""
+    if tq is None or not TRITON_WGRAD or not t.is_cuda:
+        return None
+    return load("triton_fp8_wgrad", t)
+
+
 def _rows(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, split_k: bool, fmt: str):
     """Per-row scales along K: one fused pass, unless ETP splits K (the amax is then all-reduced first)."""
     if tq is not None and not (split_k and spec.group is not None):
@@ -102,7 +116,8 @@ def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8S
 
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec):
+    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, sync):
+        """``sync``: the GradSync that takes the wgrad into w's main grad (the Triton wgrad's epilogue), or None."""
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         offs = offs_L.to(torch.int32)
@@ -118,6 +133,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             return saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2), ws  # column-major, as the kernel reads B
 
         w_cm, ws = spec.cached_weight("w", w_LKN, quantize_w)
+        ctx.sync, ctx.param = sync, w_LKN if sync is not None else None
         y = _gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, spec.fast("fprop"))
         return y.to(x_MK.dtype)
 
@@ -128,7 +144,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         fwd, bwd = spec.formats()
         if bwd != "e4m3":  # E5M2 gradients: no grouped kernel
             return (emulated_dgrad(dy_MN, w_LKN, offs, gid_M, spec).to(x_MK.dtype),
-                    emulated_wgrad(x_MK, dy_MN, offs, gid_M, spec).to(w_LKN.dtype), None, None)
+                    emulated_wgrad(x_MK, dy_MN, offs, gid_M, spec).to(w_LKN.dtype), None, None, None)
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         col, row = spec.split == "out", spec.split == "in"
@@ -141,8 +157,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
             w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd))
         dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs,
                    spec.fast("dgrad"))
-        # wgrad: both along each expert's tokens, laid out on 16-row boundaries
-        dest_M, poffs_L, _, P = padded_layout(offs, M, ALIGN)
+        # wgrad: both along each expert's tokens, laid out on 16-row boundaries (128 for the Triton kernel's blocks)
+        wk = _wgrad_kernel(tq, dy_MN)
+        dest_M, poffs_L, _, P = padded_layout(offs, M, wk.T if wk is not None else ALIGN)
         gid_P = expert_of_rows(P, poffs_L, x_MK.device)
         if tq is not None:
             xT_KP, xs_LK = _by_expert_t_fused(tq, x_MK, offs, gid_M, poffs_L, gid_P, P, spec, "x_t", fwd)
@@ -152,12 +169,26 @@ class _ScaledGroupedMM(torch.autograd.Function):
                                         fwd)
             dyT_NP, ds_LN = _by_expert_t(dy_MN, tokens_amax(dy_MN, offs, t_grad, spec, "dy_t", col), dest_M,
                                          gid_P, P, bwd)
-        dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32),
-                   spec.fast("wgrad"))
-        return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None
+        if wk is None:
+            dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32),
+                       spec.fast("wgrad"))
+            return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None, None
+        a, b, fast = (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), spec.fast("wgrad")
+        # never read under the fusion: it only fires GradSync's hook, which drops it
+        dw = torch.empty_like(w_LKN)
+        if ctx.sync is not None:
+            ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
+                                                                                 per_expert=True, fast=fast))
+        else:
+            wk.wgrad_into(dw, a, b, poffs_L, True, per_expert=True, fast=fast)
+        ctx.sync = ctx.param = None
+        return dx.to(x_MK.dtype), dw, None, None, None
 
 
 def scaled_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec
                       ) -> torch.Tensor:
     """``y_g = x_g W_g`` for each expert, forward, dgrad and wgrad on FP8 kernels."""
-    return _ScaledGroupedMM.apply(x_MK, w_LKN, offs_L, spec)
+    # under GradSync's fusion the Triton wgrad goes into the main grad (decided here: grad mode is off in forward)
+    triton_wgrad = spec.formats()[1] == "e4m3" and _wgrad_kernel(_quant_kernels(spec, x_MK), x_MK) is not None
+    sync = wgrad_fusion.sink_for(w_LKN, x_MK, grouped=True) if triton_wgrad else None
+    return _ScaledGroupedMM.apply(x_MK, w_LKN, offs_L, spec, sync)

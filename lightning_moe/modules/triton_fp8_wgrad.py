@@ -1,31 +1,36 @@
-"""The blockwise recipe's expert weight gradient on FP8 tensor cores, with the experts' token offsets on the device.
+"""The experts' FP8 weight gradient on Hopper's FP8 tensor cores, with the experts' token offsets on the device:
 
-    out[l] (+)= sum over l's 128-token blocks t of (aT[:, t] @ bT[:, t]^T) * sa[t][:, None] * sb[t][None, :]
+    out[l] (+)= sum over l's tokens t of aT[:, t] bT[:, t]^T, dequantized:
+      blockwise   each 128-token block's product times its scales, sa[t][:, None] * sb[t][None, :] (the recipe's
+                  128 x 1 tiles, ``triton_fp8_blockwise.tiles(..., wgrad_fp8=True)``), promoted to fp32 per block
+                  as DeepGEMM's 1D1D kernels do
+      rowwise     the sum times the expert's scales, sa[l][:, None] * sb[l][None, :] (per expert and feature,
+                  ``fp8_grouped_kernels``), accumulated in fp32 every 128 tokens (as CUTLASS's non-fast-accumulation
+                  FP8 kernels promote) or, with ``fast``, in the tensor cores' own accumulator
 
-aT (K, P) and bT (N, P) are E4M3, each column of a 128-token block quantized on its own (the recipe's 128 x 1 tiles,
-``triton_fp8_blockwise.tiles(..., wgrad_fp8=True)``): K-major operands for Hopper's FP8 MMA, which reduces over the
-tokens. Each block's product is promoted to fp32 with its scales, as DeepGEMM's 1D1D kernels do. The experts' token
-ranges start on 128-token boundaries (``fp8_deepgemm``'s layouts), read from ``offs`` on the device: no host sync,
-where DeepGEMM's k-grouped FP8 kernel takes them as a host list on SM 9.0. ``out`` is written (``first``) or added to
-(a main grad over micro-batches, ``wgrad_fusion``).
-
-Opt-in (``LMOE_DEEPGEMM_FP8_WGRAD=1``): it is right on an H100 (``tests/test_gpu_fp8_deepgemm.py``) but not yet fast.
-With it, the Mixtral expert block ran at 0.67x bf16, against 1.17x with the bf16 GEMM of the dequantized operands.
-The transposed FP8 stores of the tile pass and this kernel's single configuration are the first suspects.
+aT (K, P) and bT (N, P) are E4M3 with the tokens contiguous (K-major for the MMA, which reduces over them), read by
+TMA in 128-token blocks; each expert's tokens start on a 128-token boundary (its padding zero), so no block mixes two
+experts. The offsets are read on the device: no host sync, where DeepGEMM's k-grouped FP8 kernel takes them as a host
+list on SM 9.0 and ``torch._scaled_grouped_mm`` writes a new bf16 gradient. ``out`` is written (``first``) or added
+to (a main grad over micro-batches, ``wgrad_fusion``), in its own dtype.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-T = 128  # tokens per scale block
+T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
 
 
 @triton.jit
-def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, K, N, P, ACC: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TB: tl.constexpr, GROUP_K: tl.constexpr):
+def _fp8_wgrad_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, K, N, ACC: tl.constexpr,
+                      PER_BLOCK: tl.constexpr, FAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      TB: tl.constexpr, GROUP_K: tl.constexpr, STAGES: tl.constexpr):
     pid, e = tl.program_id(0), tl.program_id(1)
     tiles_k, tiles_n = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N)
     width = GROUP_K * tiles_n  # GROUP_K tiles along K share each bT tile while it is in L2
@@ -33,8 +38,8 @@ def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, K, N, P, 
     size = tl.minimum(tiles_k - first_k, GROUP_K)
     pk = first_k + (pid % width) % size
     pn = (pid % width) // size
-    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-    end = tl.load(offs_ptr + e).to(tl.int64)
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(offs_ptr + e)
     rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     o_ptrs = out_ptr + e.to(tl.int64) * K * N + rk[:, None].to(tl.int64) * N + rn[None, :]
@@ -43,29 +48,54 @@ def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, K, N, P, 
         if end == start:  # nothing to add
             return
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for t0 in range(start, end, TB):
-        tok = t0 + tl.arange(0, TB)
-        a = tl.load(a_ptr + rk[:, None].to(tl.int64) * P + tok[None, :], mask=rk[:, None] < K, other=0.0)
-        b = tl.load(b_ptr + rn[:, None].to(tl.int64) * P + tok[None, :], mask=rn[:, None] < N, other=0.0)
-        sa = tl.load(sa_ptr + (t0 // TB) * K + rk, mask=rk < K, other=0.0)
-        sb = tl.load(sb_ptr + (t0 // TB) * N + rn, mask=rn < N, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+    for t0 in tl.range(start, end, TB, num_stages=STAGES):
+        a = a_desc.load([pk * BLOCK_K, t0])
+        b = b_desc.load([pn * BLOCK_N, t0])
+        if PER_BLOCK:
+            sa = tl.load(sa_ptr + (t0 // TB) * K + rk, mask=rk < K, other=0.0)
+            sb = tl.load(sb_ptr + (t0 // TB) * N + rn, mask=rn < N, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        elif FAST:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:  # the tensor cores' partial sums added into the fp32 accumulator after each block of TB tokens
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
+    if not PER_BLOCK:
+        sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
+        sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=rn < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
     if ACC:
         acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+# (BLOCK_K, BLOCK_N, warps, stages): measured on one H100 at the Mixtral and Qwen3 expert shapes
+# (``benchmarks/bench_fp8_wgrad.py``). Two warpgroups of 64 x 128 keep each block's product and the accumulator in
+# registers; larger tiles spill once the per-block promotion holds both.
+CONFIG = (128, 128, 8, 3)
+
+
 @torch.no_grad()
-def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, first: bool) -> None:
-    """``out[l] = a_l^T b_l`` (``first``) or ``+=``: ``a = (aT (K, P) E4M3, sa (P / 128, K))``, ``b`` likewise with
-    N; ``offs``: the experts' cumulative token ends, multiples of 128."""
+def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, first: bool,
+               per_expert: bool = False, fast: bool = False, config: Optional[tuple] = None) -> None:
+    """``out[l] = a_l^T b_l`` (``first``) or ``+=``, dequantized. ``a = (aT (K, P) E4M3, sa)``, ``b`` likewise with
+    N; ``offs``: the experts' cumulative token ends, multiples of 128. The scales dequantize (the reciprocals of the
+    quantization scales): (P / 128, K) per 128-token block (blockwise), or with ``per_expert`` (L, K) (rowwise;
+    ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages)."""
     (aT, sa), (bT, sb) = a, b
     L, K, N = out_LKN.shape
     P = aT.shape[1]
-    if not out_LKN.is_contiguous() or aT.shape != (K, P) or bT.shape != (N, P) or P % T:
+    per_block = not per_expert
+    want_sa, want_sb = ((P // T, K), (P // T, N)) if per_block else ((L, K), (L, N))
+    if (not out_LKN.is_contiguous() or aT.shape != (K, P) or bT.shape != (N, P) or P % T
+            or sa.shape != want_sa or sb.shape != want_sb):
         raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)} (contiguous), aT {tuple(aT.shape)}, bT "
-                         f"{tuple(bT.shape)}: want (L, K, N), (K, P), (N, P) with P a multiple of {T}")
-    bk, bn = 128, 128
+                         f"{tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}: want (L, K, N), (K, P), "
+                         f"(N, P) with P a multiple of {T}, and scales per 128-token block ((P / {T}, K), "
+                         f"(P / {T}, N)) or per expert ((L, K), (L, N))")
+    bk, bn, warps, stages = config or CONFIG
+    da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
+    db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
-    _fp8_wgrad_kernel[grid](aT, sa, bT, sb, out_LKN, offs_L.to(torch.int32), K, N, P, ACC=not first,
-                            BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, num_warps=8, num_stages=4)
+    _fp8_wgrad_kernel[grid](da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,
+                            offs_L.to(torch.int32), K, N, ACC=not first, PER_BLOCK=per_block, FAST=fast,
+                            BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)

@@ -1,0 +1,110 @@
+"""The experts' FP8 wgrad, piece by piece, at the presets' expert shapes (one GPU), written into fp32 main grads:
+
+  tiles      the blockwise tile pass over one operand (M x K): without the wgrad operand, with it in bf16 (P, K), with
+             it in E4M3 transposed (K, P) plus scales (``wgrad_fp8``)
+  bf16       ``F.grouped_mm(x^T, dy, offs)`` and ``triton_grouped_wgrad.wgrad_into`` (fp32 main, written)
+  blockwise  ``triton_fp8_wgrad`` with per-128-token scales, over a few tile configs
+  rowwise    per-expert-and-feature scales: ``torch._scaled_grouped_mm`` (CUTLASS, bf16 out) then copied into main,
+             against ``triton_fp8_wgrad`` (per-expert scales) into main, each with and without fast accumulation
+
+Balanced routing. Prints JSON: median ms and TFLOP/s of each, and the rowwise kernels' relative difference.
+
+    python benchmarks/bench_fp8_wgrad.py --shapes mixtral,qwen3
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+import torch.nn.functional as F
+from common import emit, env_info, log, time_fn
+
+# name: (experts, routed rows, hidden, ffn) as bench_layer's blocks (mixtral T=8192 top-2, qwen3 T=16384 top-8)
+SHAPES = {"mixtral": (8, 8192 * 2, 4096, 14336), "qwen3": (128, 16384 * 8, 2048, 768),
+          "olmoe": (64, 16384 * 8, 2048, 1024)}
+# (BLOCK_K, BLOCK_N, warps, stages)
+CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 16, 3), (256, 128, 16, 3), (128, 128, 4, 3)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="mixtral,qwen3")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from lightning_moe.modules import triton_fp8_blockwise as tb
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    from lightning_moe.modules.fp8 import scale_of
+    from lightning_moe.modules.fp8_grouped import expert_of_rows
+    from lightning_moe.modules.triton_grouped_wgrad import wgrad_into as bf16_wgrad_into
+    dev = torch.device("cuda")
+    records = []
+
+    def timed(fn):
+        try:
+            return time_fn(fn, dev, args.iters, 2)["median_ms"]
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported, not fatal
+            return f"{type(e).__name__}: {str(e)[:160]}"
+
+    def rate(v, flop):
+        return (round(v, 4), round(flop / v / 1e9, 1)) if isinstance(v, float) else v
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for name in args.shapes.split(","):
+        E, M, D, Fh = SHAPES[name]
+        offs = torch.full((E,), M // E, device=dev).cumsum(0).to(torch.int32)
+        end = offs[-1:].clone()
+        gid = expert_of_rows(M, offs, dev)
+        for gemm, K, N in (("fc1", D, 2 * Fh), ("fc2", Fh, D)):
+            torch.manual_seed(0)
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+            flop = 2 * M * K * N
+            rec = {"shape": name, "gemm": gemm, "experts": E, "rows": M, "K": K, "N": N, "tiles_ms": {}}
+            for what, kw in (("no_wgrad", dict(wgrad=False)), ("bf16_wgrad", dict(wgrad=True)),
+                             ("fp8_wgrad", dict(wgrad=True, wgrad_fp8=True))):
+                rec["tiles_ms"][what] = timed(lambda kw=kw: tb.tiles(dy, None, end, "e4m3", P=M, **kw))
+            main = torch.empty(E, K, N, device=dev)
+            rec["bf16"] = {"grouped_mm": rate(timed(lambda: F.grouped_mm(x.t(), dy, offs=offs)), flop),
+                           "triton_into_main": rate(timed(lambda: bf16_wgrad_into(main, x, dy, offs, True)), flop)}
+            # blockwise: E4M3 operands with per-128-token scales
+            _, _, (aT, sa) = tb.tiles(x, None, end, "e4m3", True, M, wgrad_fp8=True)
+            _, _, (bT, sb) = tb.tiles(dy, None, end, "e4m3", True, M, wgrad_fp8=True)
+            rec["blockwise"] = {"x".join(map(str, c)): rate(timed(
+                lambda c=c: tw.wgrad_into(main, (aT, sa), (bT, sb), offs, True, config=c)), flop) for c in CONFIGS}
+            # rowwise: per expert and feature (the offsets are already on 128-row boundaries)
+            sx = scale_of(tq.grouped_col_amax(x, offs, gid), "e4m3")
+            sd = scale_of(tq.grouped_col_amax(dy, offs, gid), "e4m3")
+            xT = tq.quant_t_padded(x, sx, offs, offs, gid, M)
+            dyT = tq.quant_t_padded(dy, sd, offs, offs, gid, M)
+            rw = {}
+            for fast in (False, True):
+                def cutlass(fast=fast):
+                    g = torch._scaled_grouped_mm(xT, dyT.t(), sx.reciprocal().reshape(-1), sd.reciprocal().reshape(-1),
+                                                 offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
+                    main.copy_(g)
+
+                def triton_(fast=fast):
+                    tw.wgrad_into(main, (xT, sx.reciprocal()), (dyT, sd.reciprocal()), offs, True, per_expert=True,
+                                  fast=fast)
+                tag = "fast" if fast else "precise"
+                rw[f"cutlass_{tag}_then_copy"] = rate(timed(cutlass), flop)
+                rw[f"triton_{tag}_into_main"] = rate(timed(triton_), flop)
+                cutlass()
+                ref = main.clone()
+                triton_()
+                rw[f"rel_diff_{tag}"] = rel(main, ref)
+            rec["rowwise"] = rw
+            log(f"{name} {gemm}: {rec}")
+            records.append(rec)
+            torch.cuda.empty_cache()
+    emit({"benchmark": "fp8_wgrad", "env": env_info(dev), "records": records}, args.out)
+
+
+if __name__ == "__main__":
+    main()

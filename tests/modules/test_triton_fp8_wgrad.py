@@ -1,0 +1,82 @@
+"""The experts' FP8 wgrad kernel (``triton_fp8_wgrad.py``) on CPU under the Triton interpreter, whose dot has no FP8:
+the same kernel on fp32 operands (it is generic in the operand type), against a float64 reference of its sum. Both
+scale layouts (per 128-token block, per expert), written and accumulated, empty experts, and dims that are not
+multiples of the tiles. Skipped without triton (CI); the FP8 cases run on a GPU (``tests/test_gpu_fp8.py``,
+``tests/test_gpu_fp8_deepgemm.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
+
+
+@pytest.mark.skipif(INSIDE, reason="the outer test only")
+def test_kernel_under_the_interpreter():
+    run_interpreted(__file__, timeout=600, passed=4)
+
+
+inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
+
+
+def _case(per_expert: bool, seed: int = 0):
+    """Experts of 256, 0, 128 and 384 tokens (128-token boundaries), K = 48 and N = 40 (partial tiles)."""
+    g = torch.Generator().manual_seed(seed)
+    K, N, counts = 48, 40, [256, 0, 128, 384]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    P = int(offs[-1])
+    aT = torch.randn(K, P, generator=g)
+    bT = torch.randn(N, P, generator=g)
+    L = len(counts)
+    if per_expert:
+        sa, sb = torch.rand(L, K, generator=g) + 0.5, torch.rand(L, N, generator=g) + 0.5
+    else:
+        sa, sb = torch.rand(P // 128, K, generator=g) + 0.5, torch.rand(P // 128, N, generator=g) + 0.5
+    return aT, sa, bT, sb, offs, counts
+
+
+def _reference(aT, sa, bT, sb, offs, counts, per_expert):
+    L, K, N = len(counts), aT.shape[0], bT.shape[0]
+    out = torch.zeros(L, K, N, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        for t0 in range(start, end, 128):
+            a, b = aT[:, t0:t0 + 128].double(), bT[:, t0:t0 + 128].double()
+            if per_expert:
+                out[e] += a @ b.t()
+            else:
+                out[e] += (a @ b.t()) * sa[t0 // 128, :, None].double() * sb[t0 // 128, None, :].double()
+        if per_expert:
+            out[e] *= sa[e, :, None].double() * sb[e, None, :].double()
+        start = end
+    return out
+
+
+@inside
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_written_matches_the_reference(per_expert):
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    aT, sa, bT, sb, offs, counts = _case(per_expert)
+    out = torch.full((len(counts), aT.shape[0], bT.shape[0]), float("nan"))
+    tw.wgrad_into(out, (aT, sa), (bT, sb), offs, True, per_expert=per_expert, config=(32, 32, 4, 1))
+    ref = _reference(aT, sa, bT, sb, offs, counts, per_expert)
+    assert not out[1].any()  # the empty expert is written as zeros
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@inside
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_accumulated_adds_and_skips_empty_experts(per_expert):
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    aT, sa, bT, sb, offs, counts = _case(per_expert, seed=1)
+    start = torch.randn(len(counts), aT.shape[0], bT.shape[0])
+    out = start.clone()
+    tw.wgrad_into(out, (aT, sa), (bT, sb), offs, False, per_expert=per_expert, config=(32, 32, 4, 1))
+    ref = _reference(aT, sa, bT, sb, offs, counts, per_expert) + start.double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[1], start[1])  # nothing added to the empty expert
+    with pytest.raises(ValueError, match="per expert"):  # scales of the other layout
+        tw.wgrad_into(out, (aT, sa), (bT, sb), offs, False, per_expert=not per_expert)
