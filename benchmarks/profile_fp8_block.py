@@ -43,6 +43,7 @@ def main(argv=None) -> dict:
         t = time_fn(step, device, 10, 3, [x, w13, w2], "events")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
+                x.grad = w13.grad = w2.grad = None  # fresh gradients, as time_fn's runs: no accumulation adds
                 step()
             torch.cuda.synchronize()
         per = defaultdict(float)
