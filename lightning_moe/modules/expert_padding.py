@@ -1,7 +1,8 @@
 """Expert row groups padded to an alignment on the device (Megatron's ``--moe-router-padding-for-fp8``).
 
-Low-precision grouped kernels need each expert's rows to start on an aligned boundary (16 rows: the FP8 wgrad
-GEMM reduces over tokens with 16-byte TMA loads; the NVFP4 recipe quantizes 16-token chunks). The padded layout is
+Low-precision grouped kernels need each expert's rows to start on an aligned boundary (16 rows: CUTLASS's FP8 wgrad
+GEMM reduces over tokens with 16-byte TMA loads; the NVFP4 recipe quantizes 16-token chunks; 128 rows: the Triton FP8
+wgrad's TMA blocks of tokens and DeepGEMM's expert blocks). The padded layout is
 computed from the group offsets on the device, and its length is a static bound, so nothing waits on the host. The
 padding rows are zeros: they add nothing to any product, change no amax, and are dropped before the loss.
 """

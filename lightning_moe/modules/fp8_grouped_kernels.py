@@ -13,9 +13,10 @@ onto those rows and columns):
 The wgrad GEMM reduces over each expert's tokens with 16-byte loads, so every expert's tokens start on a 16-row
 boundary (``expert_padding.py``: on the device, no host sync). Where the rowwise recipe's operands come from the Triton
 quantizers, the wgrad instead runs on ``triton_fp8_wgrad`` (the same operands and scales, each expert's tokens on a
-128-row boundary for its TMA blocks): it writes, or under GradSync's gradient-accumulation fusion adds into, the fp32
-main grad, where the CUTLASS kernel writes a bf16 gradient that GradSync then adds (``LMOE_FP8_TRITON_WGRAD=0``: the
-CUTLASS kernel, for comparisons). There is no grouped kernel for E5M2 operands (the
+128-row boundary for its TMA blocks). Under GradSync's gradient-accumulation fusion (bf16 weights with fp32 main grads,
+no autocast) it writes or adds into the fp32 main grad, where the CUTLASS kernel writes a bf16 gradient that GradSync
+then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TRITON_WGRAD=0``: the CUTLASS kernel,
+for comparisons). There is no grouped kernel for E5M2 operands (the
 hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run emulated.
 
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
@@ -29,7 +30,7 @@ import os
 
 import torch
 
-from lightning_moe.modules import wgrad_fusion
+from lightning_moe.modules import kernels, wgrad_fusion
 from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
 from lightning_moe.modules.fp8_grouped import (_cast, _reduced, emulated_dgrad, emulated_wgrad, expert_of_rows,
@@ -95,7 +96,7 @@ def _quant_kernels(spec: FP8Spec, t: torch.Tensor):
 def _wgrad_kernel(tq, t: torch.Tensor):
     """``triton_fp8_wgrad`` where it takes the wgrad: the Triton quantizers' operands (``tq``), on CUDA (the
     interpreter's dot has no FP8); else None (CUTLASS's)."""
-    if tq is None or not TRITON_WGRAD or not t.is_cuda:
+    if tq is None or not TRITON_WGRAD or not t.is_cuda or kernels.interpreting():
         return None
     return load("triton_fp8_wgrad", t)
 
@@ -157,6 +158,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
             w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd))
         dx = _gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs,
                    spec.fast("dgrad"))
+        if not ctx.needs_input_grad[1]:  # frozen experts: no wgrad operands, no wgrad
+            return dx.to(x_MK.dtype), None, None, None, None
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries (128 for the Triton kernel's blocks)
         wk = _wgrad_kernel(tq, dy_MN)
         dest_M, poffs_L, _, P = padded_layout(offs, M, wk.T if wk is not None else ALIGN)

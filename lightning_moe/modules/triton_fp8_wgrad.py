@@ -92,6 +92,10 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
                          f"{tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}: want (L, K, N), (K, P), "
                          f"(N, P) with P a multiple of {T}, and scales per 128-token block ((P / {T}, K), "
                          f"(P / {T}, N)) or per expert ((L, K), (L, N))")
+    if P == 0 or L == 0:  # no tokens here (a rank that got none): nothing to add, zeros to write
+        if first:
+            out_LKN.zero_()
+        return
     bk, bn, warps, stages = config or CONFIG
     da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
     db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])

@@ -19,7 +19,9 @@ Not covered:
 * a tied head (``F.linear`` on the embedding's weight): the weight also gets the embedding's gradient in the same
   backward, and autograd would add the two before the hook;
 * the router (fp32 weight and gradient already) and the norms (vectors);
-* GEMMs swapped for FP8 ones (``FP8Training``): their wgrad is an FP8 kernel with a bf16 output.
+* GEMMs swapped for FP8 ones (``FP8Training``) whose wgrad is an FP8 kernel with a bf16 output: the dense scaled
+  linears and the tensorwise/delayed experts. The blockwise recipe on DeepGEMM (``fp8_deepgemm``) and the rowwise
+  experts' Triton wgrad (``fp8_grouped_kernels``) do write into the main grads, through ``sink_for``.
 
 The weight's autograd gradient is then an uninitialised tensor (as in Megatron): it only fires the post-accumulate
 hook that counts the bucket as ready, and GradSync drops it unread.

@@ -80,3 +80,10 @@ def test_accumulated_adds_and_skips_empty_experts(per_expert):
     assert torch.equal(out[1], start[1])  # nothing added to the empty expert
     with pytest.raises(ValueError, match="per expert"):  # scales of the other layout
         tw.wgrad_into(out, (aT, sa), (bT, sb), offs, False, per_expert=not per_expert)
+    # no tokens at all (a rank that got none): zeros written, nothing added
+    none = torch.zeros(len(counts), dtype=torch.int32)
+    empty = ((aT[:, :0], sa[:0] if not per_expert else sa), (bT[:, :0], sb[:0] if not per_expert else sb))
+    tw.wgrad_into(out, *empty, none, False, per_expert=per_expert)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    tw.wgrad_into(out, *empty, none, True, per_expert=per_expert)
+    assert not out.any()
