@@ -16,8 +16,8 @@ quantizers, the wgrad instead runs on ``triton_fp8_wgrad`` (the same operands an
 128-row boundary for its TMA blocks). Under GradSync's gradient-accumulation fusion (bf16 weights with fp32 main grads,
 no autocast) it writes or adds into the fp32 main grad, where the CUTLASS kernel writes a bf16 gradient that GradSync
 then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TRITON_WGRAD=0``: the CUTLASS kernel,
-for comparisons). There is no grouped kernel for E5M2 operands (the
-hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run emulated.
+for comparisons). There is no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for blockwise
+scales on Hopper: those GEMMs run emulated.
 
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
 of about six) where triton is installed and no amax is reduced over the ETP group; ``LMOE_FP8_TRITON_QUANT=0`` (or
@@ -30,13 +30,13 @@ import os
 
 import torch
 
-from lightning_moe.modules import kernels, wgrad_fusion
+from lightning_moe.modules import wgrad_fusion
 from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
 from lightning_moe.modules.fp8_grouped import (_cast, _reduced, emulated_dgrad, emulated_wgrad, expert_of_rows,
                                                rows_amax, tokens_amax, weights_amax)
 from lightning_moe.modules.fp8_linear import FP8Spec
-from lightning_moe.modules.kernels import load
+from lightning_moe.modules.kernels import interpreting, load
 
 ALIGN = 16  # rows: 16 bytes of E4M3
 FUSED_QUANT = os.environ.get("LMOE_FP8_TRITON_QUANT", "1") != "0"
@@ -93,10 +93,10 @@ def _quant_kernels(spec: FP8Spec, t: torch.Tensor):
     return load("triton_fp8_quant", t)
 
 
-def _wgrad_kernel(tq, t: torch.Tensor):
+def _triton_wgrad(tq, t: torch.Tensor):
     """``triton_fp8_wgrad`` where it takes the wgrad: the Triton quantizers' operands (``tq``), on CUDA (the
     interpreter's dot has no FP8); else None (CUTLASS's)."""
-    if tq is None or not TRITON_WGRAD or not t.is_cuda or kernels.interpreting():
+    if tq is None or not TRITON_WGRAD or not t.is_cuda or interpreting():
         return None
     return load("triton_fp8_wgrad", t)
 
@@ -161,7 +161,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:  # frozen experts: no wgrad operands, no wgrad
             return dx.to(x_MK.dtype), None, None, None, None
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries (128 for the Triton kernel's blocks)
-        wk = _wgrad_kernel(tq, dy_MN)
+        wk = _triton_wgrad(tq, dy_MN)
         dest_M, poffs_L, _, P = padded_layout(offs, M, wk.T if wk is not None else ALIGN)
         gid_P = expert_of_rows(P, poffs_L, x_MK.device)
         if tq is not None:
@@ -192,6 +192,6 @@ def scaled_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Ten
                       ) -> torch.Tensor:
     """``y_g = x_g W_g`` for each expert, forward, dgrad and wgrad on FP8 kernels."""
     # under GradSync's fusion the Triton wgrad goes into the main grad (decided here: grad mode is off in forward)
-    triton_wgrad = spec.formats()[1] == "e4m3" and _wgrad_kernel(_quant_kernels(spec, x_MK), x_MK) is not None
+    triton_wgrad = spec.formats()[1] == "e4m3" and _triton_wgrad(_quant_kernels(spec, x_MK), x_MK) is not None
     sync = wgrad_fusion.sink_for(w_LKN, x_MK, grouped=True) if triton_wgrad else None
     return _ScaledGroupedMM.apply(x_MK, w_LKN, offs_L, spec, sync)
