@@ -5,7 +5,8 @@
   bf16       ``F.grouped_mm(x^T, dy, offs)`` and ``triton_grouped_wgrad.wgrad_into`` (fp32 main, written)
   blockwise  ``triton_fp8_wgrad`` with per-128-token scales, over a few tile configs
   rowwise    per-expert-and-feature scales: ``torch._scaled_grouped_mm`` (CUTLASS, bf16 out) then copied into main,
-             against ``triton_fp8_wgrad`` (per-expert scales) into main, each with and without fast accumulation
+             against ``triton_fp8_wgrad`` (per-expert scales) into main, each with and without fast accumulation,
+             over the same tile configs
 
 Balanced routing. Prints JSON: median ms and TFLOP/s of each, and the rowwise kernels' relative difference.
 
@@ -25,7 +26,8 @@ from common import emit, env_info, log, time_fn
 SHAPES = {"mixtral": (8, 8192 * 2, 4096, 14336), "qwen3": (128, 16384 * 8, 2048, 768),
           "olmoe": (64, 16384 * 8, 2048, 1024)}
 # (BLOCK_K, BLOCK_N, warps, stages)
-CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 16, 3), (256, 128, 16, 3), (128, 128, 4, 3)]
+CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 4), (128, 256, 8, 3), (256, 128, 8, 4),
+           (128, 256, 16, 3), (128, 128, 4, 3)]
 
 
 def main() -> None:
@@ -99,6 +101,10 @@ def main() -> None:
                 ref = main.clone()
                 triton_()
                 rw[f"rel_diff_{tag}"] = rel(main, ref)
+                for c in CONFIGS[1:]:  # the other tiles: without the per-block promotion, larger ones may not spill
+                    rw[f"triton_{tag}_" + "x".join(map(str, c))] = rate(timed(lambda c=c, fast=fast: tw.wgrad_into(
+                        main, (xT, sx.reciprocal()), (dyT, sd.reciprocal()), offs, True, per_expert=True, fast=fast,
+                        config=c)), flop)
             rec["rowwise"] = rw
             log(f"{name} {gemm}: {rec}")
             records.append(rec)

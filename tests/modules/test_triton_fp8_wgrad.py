@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=4)
+    run_interpreted(__file__, timeout=600, passed=6)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -57,11 +57,12 @@ def _reference(aT, sa, bT, sb, offs, counts, per_expert):
 
 @inside
 @pytest.mark.parametrize("per_expert", [False, True])
-def test_written_matches_the_reference(per_expert):
+@pytest.mark.parametrize("config", [(32, 32, 4, 1), (16, 64, 4, 2)])
+def test_written_matches_the_reference(per_expert, config):
     from lightning_moe.modules import triton_fp8_wgrad as tw
     aT, sa, bT, sb, offs, counts = _case(per_expert)
     out = torch.full((len(counts), aT.shape[0], bT.shape[0]), float("nan"))
-    tw.wgrad_into(out, (aT, sa), (bT, sb), offs, True, per_expert=per_expert, config=(32, 32, 4, 1))
+    tw.wgrad_into(out, (aT, sa), (bT, sb), offs, True, per_expert=per_expert, config=config)
     ref = _reference(aT, sa, bT, sb, offs, counts, per_expert)
     assert not out[1].any()  # the empty expert is written as zeros
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
