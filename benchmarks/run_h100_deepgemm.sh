@@ -2,7 +2,7 @@
 # One H100, issue 19: the blockwise recipe's expert GEMMs on DeepGEMM (modules/fp8_deepgemm.py). Before the call,
 # here: bash benchmarks/prepare_deepgemm.sh ... (carry .deepgemm). Builds DeepGEMM, runs the GPU tests, then the
 # layer bench (bf16, blockwise on DeepGEMM, blockwise emulated, rowwise with fast accumulation everywhere).
-# Usage (repo root): OUT=dir bash THIS [tests|layer|model]...
+# Usage (repo root): OUT=dir bash THIS [tests|layer|model|wgrad|quant|profile]...
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DG_JIT_CACHE_DIR=/tmp/dg_jit PYTHONPATH=$PWD:$PWD/.deepgemm/src${PYTHONPATH:+:$PYTHONPATH}
@@ -40,6 +40,16 @@ import json, sys
 for r in json.load(open(f"{sys.argv[1]}/wgrad.json"))["records"]:
     print(r["shape"], r["gemm"], "tiles", r["tiles_ms"], "bf16", r["bf16"], "blockwise", r["blockwise"],
           "rowwise", r["rowwise"])
+PY
+  ;;
+quant)
+  timeout "${QUANT_S:-200}" python3 benchmarks/bench_fp8_quant.py --out "$OUT/quant.json" > /dev/null 2> "$OUT/quant.err"
+  echo "quant rc=$?"; grep -v "^\[" "$OUT/quant.err" | tail -3 | cut -c1-300
+  python3 - "$OUT" <<'PY'
+import json, sys
+for r in json.load(open(f"{sys.argv[1]}/quant.json"))["records"]:
+    print(r["shape"], r["operand"], {k: r[k] for k in ("copy", "rowwise", "col_amax")}, "quant_t",
+          {c: v.get("of_copy") if isinstance(v, dict) else v for c, v in r["quant_t"].items()})
 PY
   ;;
 profile)

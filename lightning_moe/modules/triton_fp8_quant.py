@@ -203,17 +203,18 @@ def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tens
 
 
 def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
-                   gid_P: torch.Tensor, P: int, fmt: str = "e4m3") -> torch.Tensor:
+                   gid_P: torch.Tensor, P: int, fmt: str = "e4m3", config: tuple = (128, 64, 4)) -> torch.Tensor:
     """``(X, P)``: ``saturate_rows_t(scatter_rows(x, dest, P), scale_LX, gid_P)``'s bits for the rows of experts
-    (``poffs_L``/``gid_P``: ``padded_layout``'s ends and ``expert_of_rows(P, poffs_L)``); zeros elsewhere."""
+    (``poffs_L``/``gid_P``: ``padded_layout``'s ends and ``expert_of_rows(P, poffs_L)``); zeros elsewhere.
+    ``config``: (BLOCK_P, BLOCK_X, warps)."""
     dtype, fmax = FORMATS[fmt]
     x_MX = x_MX.contiguous()
     X = x_MX.shape[1]
     q = torch.empty(X, P, device=x_MX.device, dtype=dtype)
-    BLOCK_P, BLOCK_X = 128, 64
+    BLOCK_P, BLOCK_X, warps = config
     if P and X:
         _quant_t_kernel[(triton.cdiv(P, BLOCK_P), triton.cdiv(X, BLOCK_X))](
             x_MX, scale_LX.float().contiguous(), offs_L.to(torch.int32).contiguous(),
             poffs_L.to(torch.int32).contiguous(), gid_P.to(torch.int32).contiguous(), q, P, X, FMAX=fmax,
-            BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, num_warps=4, enable_fp_fusion=False)
+            BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, num_warps=warps, enable_fp_fusion=False)
     return q

@@ -68,10 +68,14 @@ def _fp8_wgrad_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, K, N, A
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-# (BLOCK_K, BLOCK_N, warps, stages): measured on one H100 at the Mixtral and Qwen3 expert shapes
-# (``benchmarks/bench_fp8_wgrad.py``). Two warpgroups of 64 x 128 keep each block's product and the accumulator in
-# registers; larger tiles spill once the per-block promotion holds both.
-CONFIG = (128, 128, 8, 3)
+# (BLOCK_K, BLOCK_N, warps, stages) per accumulation: the fastest of a sweep on one H100 at the Mixtral and Qwen3
+# expert shapes (``benchmarks/bench_fp8_wgrad.py``, docs/PERFORMANCE.md). Larger tiles spill once the per-block
+# promotion holds the block's product and the accumulator; the rowwise promotion runs best on one warpgroup.
+CONFIGS = {"blockwise": (128, 128, 8, 4), "precise": (128, 128, 4, 3), "fast": (128, 128, 8, 3)}
+
+
+def config_for(per_expert: bool, fast: bool) -> tuple:
+    return CONFIGS["blockwise" if not per_expert else "fast" if fast else "precise"]
 
 
 @torch.no_grad()
@@ -80,7 +84,8 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     """``out[l] = a_l^T b_l`` (``first``) or ``+=``, dequantized. ``a = (aT (K, P) E4M3, sa)``, ``b`` likewise with
     N; ``offs``: the experts' cumulative token ends, multiples of 128. The scales dequantize (the reciprocals of the
     quantization scales): (P / 128, K) per 128-token block (blockwise), or with ``per_expert`` (L, K) (rowwise;
-    ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages)."""
+    ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default
+    ``config_for``'s."""
     (aT, sa), (bT, sb) = a, b
     L, K, N = out_LKN.shape
     P = aT.shape[1]
@@ -96,7 +101,7 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
         if first:
             out_LKN.zero_()
         return
-    bk, bn, warps, stages = config or CONFIG
+    bk, bn, warps, stages = config or config_for(per_expert, fast)
     da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
     db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
