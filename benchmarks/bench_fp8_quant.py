@@ -4,7 +4,8 @@ experts' operand shapes of bench_layer's blocks (one GPU, balanced routing): x a
 
   copy             ``y.copy_(x)`` of the bf16 operand: the bandwidth limit, measured in the same run
   rowwise          ``rowwise_quant``: row scales, E4M3 rows
-  col_amax         ``grouped_col_amax``: the wgrad operand's per-expert column amaxes
+  col_amax         ``grouped_col_amax``: the wgrad operand's per-expert column amaxes, over a few (CHUNK, BLOCK_M,
+                   BLOCK_X, warps)
   quant_t          ``quant_t_padded``: E4M3, transposed into the wgrad layout, over a few (BLOCK_P, BLOCK_X, warps)
 
 Prints JSON: each pass's median ms, GB/s (bytes it must move) and the ratio of that to the copy's GB/s.
@@ -21,6 +22,8 @@ import torch
 from common import emit, env_info, log, time_fn
 
 SHAPES = {"mixtral": (8, 8192 * 2, 4096, 14336), "qwen3": (128, 16384 * 8, 2048, 768)}  # bench_fp8_wgrad's
+COL_AMAX_CONFIGS = [(256, 32, 128, 4), (256, 64, 128, 4), (256, 64, 128, 8), (512, 64, 128, 8), (256, 32, 256, 4),
+                    (256, 128, 64, 8), (128, 32, 128, 4), (512, 32, 128, 4)]
 QUANT_T_CONFIGS = [(128, 64, 4), (64, 64, 4), (128, 128, 8), (64, 128, 4), (256, 64, 8), (128, 32, 4)]
 
 
@@ -58,7 +61,9 @@ def main() -> None:
             sx = scale_of(tq.grouped_col_amax(x, offs, gid), "e4m3")
             rec = {"shape": name, "operand": operand, "rows": M, "features": X, "copy": copy,
                    "rowwise": timed(lambda: tq.rowwise_quant(x), 3 * n, limit),
-                   "col_amax": timed(lambda: tq.grouped_col_amax(x, offs, gid), 2 * n, limit),
+                   "col_amax": {"x".join(map(str, c)): timed(
+                       lambda c=c: tq.grouped_col_amax(x, offs, gid, config=c), 2 * n, limit)
+                       for c in COL_AMAX_CONFIGS},
                    "quant_t": {"x".join(map(str, c)): timed(
                        lambda c=c: tq.quant_t_padded(x, sx, offs, offs, gid, M, config=c), 3 * n, limit)
                        for c in QUANT_T_CONFIGS}}

@@ -48,8 +48,9 @@ quant)
   python3 - "$OUT" <<'PY'
 import json, sys
 for r in json.load(open(f"{sys.argv[1]}/quant.json"))["records"]:
-    print(r["shape"], r["operand"], {k: r[k] for k in ("copy", "rowwise", "col_amax")}, "quant_t",
-          {c: v.get("of_copy") if isinstance(v, dict) else v for c, v in r["quant_t"].items()})
+    of = lambda d: {c: v.get("of_copy") if isinstance(v, dict) else v for c, v in d.items()}
+    print(r["shape"], r["operand"], {k: r[k] for k in ("copy", "rowwise")}, "col_amax", of(r["col_amax"]),
+          "quant_t", of(r["quant_t"]))
 PY
   ;;
 profile)

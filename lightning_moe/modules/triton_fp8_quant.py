@@ -83,7 +83,8 @@ def _rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, FMAX: tl.constexpr, TINY: tl.cons
 def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_X: tl.constexpr):
     """A chunk of CHUNK rows (usually within one expert) x BLOCK_X columns; atomic max into the zeroed (L, X)
-    amaxes (exact and order-free: a max)."""
+    amaxes (exact and order-free: a max). The running max is a whole tile, reduced over its rows once per expert:
+    the loop then has no cross-thread reduction, and its loads pipeline."""
     r0 = tl.program_id(0) * CHUNK
     r1 = tl.minimum(r0 + CHUNK, M)
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
@@ -95,14 +96,14 @@ def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constex
         start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
         end = tl.load(offs_ptr + e)  # rows past offs[-1] (tail) belong to no expert
         lo, hi = tl.maximum(start, r0), tl.minimum(end, r1)
-        acc = tl.zeros((BLOCK_X,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for r in range(lo, hi, BLOCK_M):
             rows = r + rr
             mask = (rows < hi)[:, None] & cmask[None, :]
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * X + cols[None, :], mask=mask, other=0.0)
-            acc = _max_nan(acc, tl.reduce(tl.abs(x.to(tl.float32)), 0, _max_nan))
+            acc = _max_nan(acc, tl.abs(x.to(tl.float32)))
         if lo < hi:
-            tl.atomic_max(amax_ptr + e * X + cols, acc, mask=cmask)
+            tl.atomic_max(amax_ptr + e * X + cols, tl.reduce(acc, 0, _max_nan), mask=cmask)
 
 
 @triton.jit
@@ -187,18 +188,20 @@ def dequant_packed(packed_NB: torch.Tensor, dtype: torch.dtype, D: int) -> torch
     return out
 
 
-def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor) -> torch.Tensor:
+def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor,
+                     config: tuple = (256, 64, 128, 4)) -> torch.Tensor:
     """``(L, X)`` fp32: the max of |x| over each expert's rows (0 for an empty expert), ``_segment_amax``'s values.
-    ``gid_M``: each row's expert (``fp8_grouped.expert_of_rows``)."""
+    ``gid_M``: each row's expert (``fp8_grouped.expert_of_rows``). ``config``: (CHUNK, BLOCK_M, BLOCK_X, warps); the
+    default was the fastest of a sweep on one H100 (``benchmarks/bench_fp8_quant.py``)."""
     x_MX = x_MX.contiguous()
     M, X = x_MX.shape
     L = offs_L.numel()
     amax = torch.zeros(L, X, device=x_MX.device, dtype=torch.float32)
-    CHUNK, BLOCK_X = 256, 128
+    CHUNK, BLOCK_M, BLOCK_X, warps = config
     if M:
         _col_amax_kernel[(triton.cdiv(M, CHUNK), triton.cdiv(X, BLOCK_X))](
             x_MX, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax, M, X, CHUNK=CHUNK,
-            BLOCK_M=32, BLOCK_X=BLOCK_X, num_warps=4)
+            BLOCK_M=BLOCK_M, BLOCK_X=BLOCK_X, num_warps=warps)
     return amax
 
 

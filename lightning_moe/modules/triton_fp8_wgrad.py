@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
+
 T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
 
 
@@ -31,13 +33,8 @@ T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise
 def _fp8_wgrad_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, K, N, ACC: tl.constexpr,
                       PER_BLOCK: tl.constexpr, FAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       TB: tl.constexpr, GROUP_K: tl.constexpr, STAGES: tl.constexpr):
-    pid, e = tl.program_id(0), tl.program_id(1)
-    tiles_k, tiles_n = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N)
-    width = GROUP_K * tiles_n  # GROUP_K tiles along K share each bT tile while it is in L2
-    first_k = (pid // width) * GROUP_K
-    size = tl.minimum(tiles_k - first_k, GROUP_K)
-    pk = first_k + (pid % width) % size
-    pn = (pid % width) // size
+    e = tl.program_id(1)
+    pk, pn = grouped_tile(tl.program_id(0), K, N, BLOCK_K, BLOCK_N, GROUP_K)
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(offs_ptr + e)
     rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)

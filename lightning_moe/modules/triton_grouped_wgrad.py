@@ -23,16 +23,21 @@ from lightning_moe.modules.kernels import interpreting
 
 
 @triton.jit
-def _wgrad_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, K, N, stride_x, stride_dy, ACC: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_K: tl.constexpr):
-    pid, e = tl.program_id(0), tl.program_id(1)
+def grouped_tile(pid, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """An expert's (K, N) output tile of program ``pid``: GROUP_K tiles along K in a row share each N tile while it
+    is in L2. Returns the tile's K and N indices."""
     tiles_k, tiles_n = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N)
-    # GROUP_K tiles along K share each dy column tile while it is in L2
     width = GROUP_K * tiles_n
     first_k = (pid // width) * GROUP_K
     size = tl.minimum(tiles_k - first_k, GROUP_K)
-    pk = first_k + (pid % width) % size
-    pn = (pid % width) // size
+    return first_k + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
+def _wgrad_kernel(x_ptr, dy_ptr, out_ptr, offs_ptr, K, N, stride_x, stride_dy, ACC: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_K: tl.constexpr):
+    e = tl.program_id(1)
+    pk, pn = grouped_tile(tl.program_id(0), K, N, BLOCK_K, BLOCK_N, GROUP_K)
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
     end = tl.load(offs_ptr + e).to(tl.int64)
     rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -90,6 +90,19 @@ def test_grouped_colwise_quant_t(counts, tail, X, dtype):
 
 
 @inside
+@pytest.mark.parametrize("config", [(8, 4, 16, 4), (32, 16, 64, 4), (256, 32, 128, 4), (256, 64, 128, 4)])
+def test_grouped_col_amax_configs(config):
+    """Chunks that split experts, row blocks that do not divide them, partial column blocks: the same amaxes."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.fp8_grouped import _segment_amax, expert_of_rows
+    offs = torch.tensor(COUNTS[1]).cumsum(0).to(torch.int32)
+    M = int(offs[-1]) + 7
+    x = _operand(M, 72, torch.bfloat16, 5)
+    x[int(offs[-1]):] = float("nan")  # the tail: in no amax
+    ref = _segment_amax(torch.where((torch.arange(M) < offs[-1]).unsqueeze(1), x, 0).abs(), offs)
+    assert torch.equal(tq.grouped_col_amax(x, offs, expert_of_rows(M, offs, x.device), config), ref)
+
+@inside
 def test_wiring_helpers():
     """``fp8_grouped_kernels``' fused helpers against their torch paths (the autograd function needs Hopper)."""
     from lightning_moe.modules import fp8_grouped_kernels as k
