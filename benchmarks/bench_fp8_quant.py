@@ -15,24 +15,18 @@ Prints JSON: each pass's median ms, GB/s (bytes it must move) and the ratio of t
 
 from __future__ import annotations
 
-import argparse
-
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
+from bench_fp8_wgrad import SHAPES, parse_args
 from common import emit, env_info, log, time_fn
 
-SHAPES = {"mixtral": (8, 8192 * 2, 4096, 14336), "qwen3": (128, 16384 * 8, 2048, 768)}  # bench_fp8_wgrad's
 COL_AMAX_CONFIGS = [(256, 32, 128, 4), (256, 64, 128, 4), (256, 64, 128, 8), (512, 64, 128, 8), (256, 32, 256, 4),
                     (256, 128, 64, 8), (128, 32, 128, 4), (512, 32, 128, 4)]
 QUANT_T_CONFIGS = [(128, 64, 4), (64, 64, 4), (128, 128, 8), (64, 128, 4), (256, 64, 8), (128, 32, 4)]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="mixtral,qwen3")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = parse_args(__doc__)
     from lightning_moe.modules import triton_fp8_quant as tq
     from lightning_moe.modules.fp8 import scale_of
     from lightning_moe.modules.fp8_grouped import expert_of_rows

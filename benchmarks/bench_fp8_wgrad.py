@@ -30,12 +30,17 @@ CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 4), (128, 256, 8, 3
            (128, 256, 16, 3), (128, 128, 4, 3)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(doc: str) -> argparse.Namespace:
+    """The FP8 kernel benchmarks' options: shapes (of SHAPES), iterations, the JSON's path."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--shapes", default="mixtral,qwen3")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__)
     from lightning_moe.modules import triton_fp8_blockwise as tb
     from lightning_moe.modules import triton_fp8_quant as tq
     from lightning_moe.modules import triton_fp8_wgrad as tw
