@@ -84,7 +84,8 @@ def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constex
                      BLOCK_X: tl.constexpr):
     """A chunk of CHUNK rows (usually within one expert) x BLOCK_X columns; atomic max into the zeroed (L, X)
     amaxes (exact and order-free: a max). The running max is a whole tile, reduced over its rows once per expert:
-    the loop then has no cross-thread reduction, and its loads pipeline."""
+    the loop is then loads and elementwise maxes, without a cross-thread reduction per block (1.5-1.7x as fast on an
+    H100, docs/PERFORMANCE.md)."""
     r0 = tl.program_id(0) * CHUNK
     r1 = tl.minimum(r0 + CHUNK, M)
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)

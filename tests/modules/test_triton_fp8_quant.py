@@ -102,6 +102,7 @@ def test_grouped_col_amax_configs(config):
     ref = _segment_amax(torch.where((torch.arange(M) < offs[-1]).unsqueeze(1), x, 0).abs(), offs)
     assert torch.equal(tq.grouped_col_amax(x, offs, expert_of_rows(M, offs, x.device), config), ref)
 
+
 @inside
 def test_wiring_helpers():
     """``fp8_grouped_kernels``' fused helpers against their torch paths (the autograd function needs Hopper)."""
