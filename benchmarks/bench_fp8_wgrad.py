@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from common import emit, env_info, log, time_fn
 
-# name: (experts, routed rows, hidden, ffn) as bench_layer's blocks (mixtral T=8192 top-2, qwen3 T=16384 top-8)
+# name: (experts, routed rows, hidden, ffn) as bench_layer's blocks (mixtral T=8192 top-2, qwen3 and olmoe T=16384
+# top-8, deepseek-v3-ep8 T=2048 top-8 over 32 local experts)
 SHAPES = {"mixtral": (8, 8192 * 2, 4096, 14336), "qwen3": (128, 16384 * 8, 2048, 768),
-          "olmoe": (64, 16384 * 8, 2048, 1024)}
+          "olmoe": (64, 16384 * 8, 2048, 1024), "deepseek-v3-ep8": (32, 2048 * 8, 7168, 2048)}
 # (BLOCK_K, BLOCK_N, warps, stages)
 CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 4), (128, 256, 8, 3), (256, 128, 8, 4),
            (128, 256, 16, 3), (128, 128, 4, 3)]

@@ -1,0 +1,73 @@
+"""The experts' FP8 forward and dgrad GEMMs (rows grouped by expert, rowwise scales) at the presets' expert shapes,
+one GPU: ``torch._scaled_grouped_mm`` (CUTLASS) against ``triton_fp8_grouped_mm`` over a few tile configs, each with
+and without fast accumulation, and their relative difference. Balanced routing, and one uneven routing (experts'
+rows off the tiles' boundaries).
+
+    python benchmarks/bench_fp8_grouped_mm.py --shapes mixtral,qwen3,olmoe
+"""
+
+from __future__ import annotations
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+from bench_fp8_wgrad import SHAPES, parse_args
+from common import emit, env_info, log, time_fn
+
+# (BLOCK_M, BLOCK_N, warps, stages)
+CONFIGS = [(128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+           (64, 128, 4, 4), (256, 128, 8, 3)]
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    from lightning_moe.modules import triton_fp8_grouped_mm as tg
+    from lightning_moe.modules import triton_fp8_quant as tq
+    dev = torch.device("cuda")
+    records = []
+
+    def timed(fn):
+        try:
+            return time_fn(fn, dev, args.iters, 2)["median_ms"]
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported, not fatal
+            return f"{type(e).__name__}: {str(e)[:160]}"
+
+    def rate(v, flop):
+        return round(flop / v / 1e9, 1) if isinstance(v, float) else v
+
+    for name in args.shapes.split(","):
+        E, M, D, Fh = SHAPES[name]
+        g = torch.Generator().manual_seed(0)
+        routings = {"balanced": torch.full((E,), M // E),
+                    "uneven": torch.distributions.Multinomial(M, torch.rand(E, generator=g) + 0.5).sample().long()}
+        for gemm, K, N in (("fc1", D, 2 * Fh), ("fc2", Fh, D), ("fc1_dgrad", 2 * Fh, D), ("fc2_dgrad", D, Fh)):
+            torch.manual_seed(0)
+            aq, sa = tq.rowwise_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16))
+            bq, sb = tq.rowwise_quant(torch.randn(E * N, K, device=dev, dtype=torch.bfloat16) * 0.02)
+            bq, sa, sb = bq.view(E, N, K), sa.reciprocal().reshape(M), sb.reciprocal().reshape(E, N)
+            flop = 2 * M * K * N
+            for routing, counts in routings.items():
+                offs = counts.to(dev).cumsum(0).to(torch.int32)
+                rec = {"shape": name, "gemm": gemm, "routing": routing, "experts": E, "rows": M, "K": K, "N": N}
+                for fast in (False, True):
+                    tag = "fast" if fast else "precise"
+
+                    def cutlass(fast=fast):
+                        return torch._scaled_grouped_mm(aq, bq.transpose(1, 2), sa, sb, offs=offs,
+                                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
+                    rec[f"cutlass_{tag}"] = rate(timed(cutlass), flop)
+                    ref = cutlass()[:M].float()
+                    for c in CONFIGS:
+                        key = f"triton_{tag}_" + "x".join(map(str, c))
+                        rec[key] = rate(timed(lambda c=c, fast=fast: tg.grouped_mm(aq, bq, sa, sb, offs, fast, c)),
+                                        flop)
+                        if c == CONFIGS[0]:
+                            got = tg.grouped_mm(aq, bq, sa, sb, offs, fast, c).float()
+                            rec[f"rel_diff_{tag}"] = ((got - ref).norm() / ref.norm()).item()
+                log(f"{name} {gemm} {routing}: {rec}")
+                records.append(rec)
+            torch.cuda.empty_cache()
+    emit({"benchmark": "fp8_grouped_mm", "env": env_info(dev), "records": records}, args.out)
+
+
+if __name__ == "__main__":
+    main()

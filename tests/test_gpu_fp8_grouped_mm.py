@@ -1,0 +1,64 @@
+"""The experts' FP8 forward/dgrad kernel on Triton (``triton_fp8_grouped_mm.py``) on an H100 (skipped without CUDA,
+triton or SM 9.0): CUTLASS's bits (``torch._scaled_grouped_mm`` on the same E4M3 operands and scales) with both
+accumulations and its default tiles, at uneven experts (empty ones, rows off the tiles' boundaries, a tail past the
+last expert), K short and long; and ``_ScaledGroupedMM``'s outputs and gradients the same with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_moe.modules import fp8_grouped_kernels as k
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or not k.available(
+    torch.device("cuda")), reason="needs CUDA and SM 9.0")]
+tg = pytest.importorskip("lightning_moe.modules.triton_fp8_grouped_mm")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _offs(M_valid: int, L: int, g) -> torch.Tensor:
+    w = torch.rand(L, generator=g, device="cuda") ** 2
+    w[torch.randperm(L, generator=g, device="cuda")[:max(1, L // 8)]] = 0
+    counts = (w / w.sum() * M_valid).floor().long()
+    counts[int(w.argmax())] += M_valid - counts.sum()
+    return counts.cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("M,K,N,L", [(131072, 2048, 1536, 128), (131072, 768, 2048, 128), (16384, 4096, 2048, 8),
+                                     (3000, 272, 208, 7)])
+@pytest.mark.parametrize("fast", [False, True])
+def test_matches_cutlass(M, K, N, L, fast):
+    from lightning_moe.modules import triton_fp8_quant as tq
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    offs = _offs(M - 37, L, g)
+    aq, sa = tq.rowwise_quant(torch.randn(M, K, generator=g, device="cuda").bfloat16())
+    bq, sb = tq.rowwise_quant((torch.randn(L * N, K, generator=g, device="cuda") * 0.02).bfloat16())
+    bq, sa, sb = bq.view(L, N, K), sa.reciprocal().reshape(M), sb.reciprocal().reshape(L, N)
+    ref = torch._scaled_grouped_mm(aq, bq.transpose(1, 2), sa, sb, offs=offs, out_dtype=torch.bfloat16,
+                                   use_fast_accum=fast)
+    got = tg.grouped_mm(aq, bq, sa, sb, offs, fast)
+    v = int(offs[-1])
+    assert torch.equal(got[:v], ref[:v]), _rel(got[:v], ref[:v])
+
+
+@pytest.mark.parametrize("fast_accum", ["none", "fprop", "all"])
+def test_scaled_grouped_mm_with_and_without_the_triton_gemm(fast_accum, monkeypatch):
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    g = torch.Generator(device="cuda").manual_seed(1)
+    M, K, N, L = 8192, 512, 768, 16
+    offs = _offs(M - 64, L, g)
+    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(L, K, N, generator=g, device="cuda") * 0.02).bfloat16()
+    dy = torch.randn(M, N, generator=g, device="cuda").bfloat16()
+    outs, v = {}, int(offs[-1])
+    for on in (False, True):
+        monkeypatch.setattr(k, "TRITON_GEMM", on)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = k.scaled_grouped_mm(xg, wg, offs, FP8Spec("rowwise", fast_accum=fast_accum))
+        y.backward(dy)
+        outs[on] = (y[:v], xg.grad[:v], wg.grad)
+    for a, b, name in zip(outs[True], outs[False], ("y", "dx", "dw")):
+        assert torch.equal(a, b), name
