@@ -332,6 +332,7 @@ def run_one(args, preset: str) -> dict:
                                                 fast_accum=args.fp8_fast_accum,
                                                 cache_weights=not args.fp8_no_weight_cache,
                                                 fp8_param_gather=args.fp8_param_gather,
+                                                fp8_wgrad=not args.fp8_no_fp8_wgrad,
                                                 exclude=[s for s in args.fp8_exclude.split(",") if s]))
         if args.nvfp4:
             from lightning_moe import NVFP4Training
@@ -392,7 +393,7 @@ def run_one(args, preset: str) -> dict:
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
            "expert_rows_align": args.expert_rows_align, "fp8_param_gather": args.fp8_param_gather,
-           "fp8_exclude": args.fp8_exclude,
+           "fp8_exclude": args.fp8_exclude, "fp8_wgrad": not args.fp8_no_fp8_wgrad,
            "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
                             else "dense+experts"),
            "fused_optimizer_writeback": getattr(trainer.optimizers[0].step, "__qualname__", "").startswith("FusedAdam")
@@ -438,6 +439,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--fp8-param-gather"] if args.fp8_param_gather else []
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
+        cmd += ["--fp8-no-fp8-wgrad"] if args.fp8_no_fp8_wgrad else []
         cmd += ["--fp8-fast-accum", args.fp8_fast_accum, "--fp8-exclude", args.fp8_exclude]
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
         cmd += ["--overlap-moe-comm"] if args.overlap_moe_comm else []
@@ -537,6 +539,8 @@ def main(argv=None) -> dict:
                         "'attention' for FP8 experts only")
     p.add_argument("--fp8-no-weight-cache", action="store_true",
                    help="FP8Training(cache_weights=False): quantize the expert weights at every micro-batch")
+    p.add_argument("--fp8-no-fp8-wgrad", action="store_true",
+                   help="with --fp8: FP8Training(fp8_wgrad=False), weight gradients from the unquantized operands")
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="with --fp8: FP8Training(fp8_dispatch=True), the token all-to-all in FP8 (alltoall dispatcher)")
     p.add_argument("--fp8-param-gather", action="store_true",

@@ -62,3 +62,37 @@ def test_scaled_grouped_mm_with_and_without_the_triton_gemm(fast_accum, monkeypa
         outs[on] = (y[:v], xg.grad[:v], wg.grad)
     for a, b, name in zip(outs[True], outs[False], ("y", "dx", "dw")):
         assert torch.equal(a, b), name
+
+
+def test_unquantized_wgrad_into_main_grads():
+    """``FP8Spec(fp8_wgrad=False)`` under GradSync's gradient-accumulation fusion: the experts' wgrad from the
+    unquantized bf16 operands, accumulated in fp32 into the main grad over two micro-batches (float64's up to the
+    summation order); the dgrad that of the FP8 wgrad's run, bit for bit."""
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    from lightning_moe.strategy.grad_sync import GradSync
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    g = torch.Generator(device="cuda").manual_seed(3)
+    M, K, N, L = 4096, 512, 768, 8
+    offs = _offs(M - 64, L, g)
+    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(L, K, N, generator=g, device="cuda") * 0.02).bfloat16()
+    dy = torch.randn(M, N, generator=g, device="cuda").bfloat16()
+    p = torch.nn.Parameter(w.clone())
+    p.wgrad_fusable = True
+    sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+    dxs = []
+    for i, scale in enumerate((1.0, 2.0)):
+        if i == 1:
+            sync.arm()
+        xg = x.clone().requires_grad_()
+        fp8_grouped_mm(xg, p, offs, FP8Spec("rowwise", fp8_wgrad=False)).backward(dy * scale)
+        dxs.append(xg.grad)
+    sync.finish()
+    xf = x.clone().requires_grad_()
+    fp8_grouped_mm(xf, w.clone().requires_grad_(), offs, FP8Spec("rowwise")).backward(dy)
+    v = int(offs[-1])
+    assert torch.equal(dxs[0][:v], xf.grad[:v])
+    ends = [0] + offs.tolist()
+    ref = torch.stack([3 * x[s:e].double().t() @ dy[s:e].double() for s, e in zip(ends[:-1], ends[1:])])
+    assert _rel(p.main_grad.double(), ref) < 1e-5

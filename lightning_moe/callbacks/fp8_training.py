@@ -71,12 +71,18 @@ class FP8Training(L.Callback):
             scales serve both GEMM layouts (``tensorwise``, ``blockwise``). Between steps the model's weights hold
             their FP8 values; the full ones return at the end of training. Layers where no group gathers the weights
             (one rank in their data-parallel group) keep their bf16 path.
+        fp8_wgrad: Megatron's ``fp8_wgrad``. False runs every weight-gradient GEMM on the unquantized operands (the
+            activations' dtype, fp32 accumulation; the experts' into the fp32 main grads under gradient-accumulation
+            fusion) while forward and dgrad stay in FP8: no wgrad quantization passes, bf16 wgrad speed. At
+            fine-grained expert shapes on an H100 that is the faster block (Qwen3-30B-A3B's experts, docs/
+            PERFORMANCE.md); at coarse ones the FP8 wgrad is. Not for the blockwise recipe, whose wgrad on DeepGEMM
+            already runs on bf16 tensor cores from its 128-token tiles.
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
                  emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None,
                  fp8_dispatch: bool = False, cache_weights: bool = True, fast_accum: str = "fprop",
-                 fp8_param_gather: bool = False):
+                 fp8_param_gather: bool = False, fp8_wgrad: bool = True):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
         if fp8_format not in (None, "hybrid", "e4m3"):
@@ -96,10 +102,14 @@ class FP8Training(L.Callback):
                                 if recipe == "delayed" else "scales differ between the forward and dgrad layouts")
                              + ", so one FP8 copy cannot serve both GEMMs; use the tensorwise or blockwise recipe, or "
                              "leave fp8_param_gather off")
+        if not fp8_wgrad and recipe == "blockwise":
+            raise ValueError("FP8Training(recipe='blockwise', fp8_wgrad=False): the blockwise recipe's wgrad on "
+                             "DeepGEMM already runs on bf16 tensor cores (from its 128-token tiles); use "
+                             "fp8_wgrad=False with the tensorwise, delayed or rowwise recipe, or leave it on")
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
         self.fp8_dispatch, self.cache_weights, self.fast_accum = fp8_dispatch, bool(cache_weights), fast_accum
-        self.fp8_param_gather = bool(fp8_param_gather)
+        self.fp8_param_gather, self.fp8_wgrad = bool(fp8_param_gather), bool(fp8_wgrad)
         self._amaxes: Optional[fp8_gather.WeightAmaxes] = None
         self._swapped: list = []
         self._specs: list = []  # specs reading the FP8 parameter all-gather's amaxes
@@ -162,6 +172,7 @@ class FP8Training(L.Callback):
                        f"{len(grouped)} expert grouped GEMMs ({kernel}, {len(grouped) - on_kernel - on_dg} emulated)"
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
                        + f"; fast accumulation: {self.fast_accum}"
+                       + ("; weight gradients unquantized (fp8_wgrad=False)" if not self.fp8_wgrad else "")
                        + (f"; DeepGEMM unavailable ({fp8_deepgemm.unavailable(device)})"
                           if self.recipe == "blockwise" and not emulate and device.type == "cuda"
                           and fp8_deepgemm.unavailable(device) else "")
@@ -202,7 +213,8 @@ class FP8Training(L.Callback):
         """The groups whose ranks split the GEMM's features (TP, ETP) or tokens (DP x CP, EDP): they share scales, as
         Transformer Engine reduces amaxes over its FP8 group."""
         spec = FP8Spec(self.recipe, emulate=bool(self.emulate), history=self.amax_history, fp8_format=self.fp8_format,
-                       fast_accum=self.fast_accum, rows_align=getattr(g.module, "rows_align", 1) if g.grouped else 1)
+                       fast_accum=self.fast_accum, fp8_wgrad=self.fp8_wgrad,
+                       rows_align=getattr(g.module, "rows_align", 1) if g.grouped else 1)
         if ctx is None:
             return spec
         if g.grouped:

@@ -166,10 +166,13 @@ def emulated_dgrad(dy_MN, w_LKN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
 
 
 def emulated_wgrad(x_MK, dy_MN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
-    """``dW_g = x_g^T dy_g``, reduced over the expert's tokens."""
+    """``dW_g = x_g^T dy_g``, reduced over the expert's tokens; from the unquantized operands unless
+    ``spec.fp8_wgrad``."""
     fwd, bwd = spec.formats()
     valid_M1 = (torch.arange(x_MK.shape[0], device=x_MK.device) < offs_L[-1]).unsqueeze(1)
     x_MK, dy_MN = torch.where(valid_M1, x_MK, 0), torch.where(valid_M1, dy_MN, 0)  # tail rows: undefined values
+    if not spec.fp8_wgrad:
+        return _wgrad(x_MK, dy_MN, offs_L, gid_M)
     col, row = spec.split == "out", spec.split == "in"
     xq = _tokens_per_expert(x_MK, offs_L, gid_M, tiling(spec.recipe, "input"), fwd, spec, "x_t", row)
     dyq = _tokens_per_expert(dy_MN, offs_L, gid_M, tiling(spec.recipe, "grad"), bwd, spec, "dy_t", col)

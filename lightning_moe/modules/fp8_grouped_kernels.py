@@ -36,8 +36,8 @@ import torch
 from lightning_moe.modules import wgrad_fusion
 from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
-from lightning_moe.modules.fp8_grouped import (_cast, _reduced, emulated_dgrad, emulated_wgrad, expert_of_rows,
-                                               rows_amax, tokens_amax, weights_amax)
+from lightning_moe.modules.fp8_grouped import (_cast, _reduced, _wgrad, emulated_dgrad, emulated_wgrad,
+                                               expert_of_rows, rows_amax, tokens_amax, weights_amax)
 from lightning_moe.modules.fp8_linear import FP8Spec
 from lightning_moe.modules.kernels import interpreting, load
 
@@ -173,6 +173,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                         spec.fast("dgrad"))
         if not ctx.needs_input_grad[1]:  # frozen experts: no wgrad operands, no wgrad
             return dx.to(x_MK.dtype), None, None, None, None
+        if not spec.fp8_wgrad:  # Megatron's fp8_wgrad=False: the unquantized operands on bf16 tensor cores
+            return dx.to(x_MK.dtype), _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN), None, None, None
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries (128 for the Triton kernel's blocks)
         wk = _triton_wgrad(tq, dy_MN)
         dest_M, poffs_L, _, P = padded_layout(offs, M, wk.T if wk is not None else ALIGN)
@@ -201,10 +203,22 @@ class _ScaledGroupedMM(torch.autograd.Function):
         return dx.to(x_MK.dtype), dw, None, None, None
 
 
+def _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN) -> torch.Tensor:
+    """The wgrad from the unquantized operands (rows past the last expert's are never read): into the main grad under
+    GradSync's fusion, else a new gradient."""
+    sync, param = ctx.sync, ctx.param
+    ctx.sync = ctx.param = None
+    if sync is None:
+        return _wgrad(x_MK, dy_MN, offs, gid_M).to(w_LKN.dtype)
+    sync.accumulate_wgrad(param, lambda main, first: wgrad_fusion.grouped_wgrad_into(main, x_MK, dy_MN, offs, first))
+    return torch.empty_like(w_LKN)  # never read: it only fires GradSync's hook, which drops it
+
+
 def scaled_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec
                       ) -> torch.Tensor:
     """``y_g = x_g W_g`` for each expert, forward, dgrad and wgrad on FP8 kernels."""
     # under GradSync's fusion the Triton wgrad goes into the main grad (decided here: grad mode is off in forward)
     triton_wgrad = spec.formats()[1] == "e4m3" and _triton_wgrad(_quant_kernels(spec, x_MK), x_MK) is not None
-    sync = wgrad_fusion.sink_for(w_LKN, x_MK, grouped=True) if triton_wgrad else None
+    unquantized = not spec.fp8_wgrad and spec.formats()[1] == "e4m3"  # E5M2: the emulated backward's wgrad
+    sync = wgrad_fusion.sink_for(w_LKN, x_MK, grouped=True) if triton_wgrad or unquantized else None
     return _ScaledGroupedMM.apply(x_MK, w_LKN, offs_L, spec, sync)

@@ -40,6 +40,9 @@ class FP8Spec:
     step: Optional[int] = None
     weights: dict = field(default_factory=dict)  # operand -> (step, weight's data_ptr, quantized tensors)
     fast_accum: str = "fprop"  # which GEMMs use the kernels' fast accumulation (fp8.FAST_ACCUM)
+    # Megatron's fp8_wgrad: False runs the weight-gradient GEMMs on the unquantized operands (the activations' dtype,
+    # fp32 accumulation) while forward and dgrad stay in FP8
+    fp8_wgrad: bool = True
     # the FP8 parameter all-gather's block amaxes of the weights it dequantized (strategy/fp8_param_gather.py)
     presets: Optional[object] = None
     # the experts' input layout: each expert's rows start on a multiple of this (ModelConfig.expert_rows_align); at a
@@ -133,6 +136,10 @@ class _FP8Linear(torch.autograd.Function):
         amax_w = spec.weight_amax(w_NK)
         dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), ("data", col),
                  (row, col), x_MK.dtype, "dgrad", None if amax_w is None else amax_w.t())
+        if not spec.fp8_wgrad:  # the unquantized operands, accumulated in fp32 (CPU: from fp32 copies)
+            dw = torch.mm(dy_MN.t(), x_MK.to(dy_MN.dtype), out_dtype=torch.float32) if dy_MN.is_cuda else \
+                dy_MN.t().float() @ x_MK.float()
+            return dx.reshape(ctx.shape), dw.to(w_NK.dtype), None
         # wgrad dW = dy^T x, reduced over the tokens M (never split); blockwise tiles of 128 tokens: zero rows pad M
         # to a multiple (they add nothing to the product and change no tile's amax)
         pad = (-x_MK.shape[0]) % BLOCK if spec.recipe == "blockwise" else 0

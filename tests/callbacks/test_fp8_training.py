@@ -42,10 +42,11 @@ def _fit(tokens, root, callbacks, steps=40):
 def test_every_recipe_trains_close_to_fp32(tokens, tmp_path):
     ref = _fit(tokens, str(tmp_path), [])
     end = sum(ref[-5:]) / 5
-    for recipe in ("tensorwise", "delayed", "rowwise", "blockwise"):
-        losses = _fit(tokens, str(tmp_path), [FP8Training(recipe)])
+    for recipe, kw in (("tensorwise", {}), ("delayed", {}), ("rowwise", {}), ("blockwise", {}),
+                       ("rowwise", dict(fp8_wgrad=False))):
+        losses = _fit(tokens, str(tmp_path), [FP8Training(recipe, **kw)])
         assert losses != ref, recipe  # quantization changed the numbers
-        assert abs(sum(losses[-5:]) / 5 - end) <= 0.03 * end, (recipe, losses[-5:], ref[-5:])
+        assert abs(sum(losses[-5:]) / 5 - end) <= 0.03 * end, (recipe, kw, losses[-5:], ref[-5:])
 
 
 def _lm():
@@ -94,6 +95,9 @@ def test_refusals():
         FP8Training(fast_accum="dgrad")
     with pytest.raises(ValueError, match="the rowwise recipe is E4M3 throughout"):
         FP8Training("rowwise", fp8_format="hybrid")
+    with pytest.raises(ValueError, match=r"FP8Training\(recipe='blockwise', fp8_wgrad=False\): the blockwise recipe's "
+                                         "wgrad on DeepGEMM already runs on bf16 tensor cores"):
+        FP8Training("blockwise", fp8_wgrad=False)
     lm = MoELanguageModel(preset="tiny", overrides=dict(MODEL, num_kv_heads=2))  # wk: 128 x 64
     lm.configure_model()
     with pytest.raises(ValueError, match=r"model.layers.0.attn.wk: 128 x 64 is not a multiple of the blockwise"):
@@ -124,6 +128,7 @@ def test_fast_accumulation_reaches_each_gemm(monkeypatch, fast_accum, expected):
     _start(cb, lm)
     wq = lm.model.layers[1].attn.wq
     assert vars(wq)["_mm"].keywords["spec"].fast_accum == fast_accum
+    assert vars(wq)["_mm"].keywords["spec"].fp8_wgrad  # on by default
     x = torch.randn(2, 8, 128, requires_grad=True)
     wq(x).sum().backward()
     assert seen == expected

@@ -92,6 +92,24 @@ def test_kernel_path_matches_the_emulation(monkeypatch, recipe, fmt):
     assert calls == ([3, 3, 2] if fmt != "hybrid" else [3]) * 2  # forward, dgrad, wgrad kernels per step
 
 
+@pytest.mark.parametrize("path", ["emulated", "kernel"])
+def test_unquantized_wgrad(monkeypatch, path):
+    """``FP8Spec(fp8_wgrad=False)`` (Megatron's ``fp8_wgrad``): forward and dgrad bit for bit as with the FP8 wgrad;
+    the weight gradient that of the unquantized operands (float32: float64's up to the summation order; the NaN tail
+    rows never read), where the FP8 wgrad differs from it by its quantization."""
+    if path == "kernel":
+        monkeypatch.setattr(kernels, "available", lambda device: True)
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_on_cpu, raising=False)
+    x, w, dy = _data()
+    emulate = path == "emulated"
+    y1, dx1, dw1 = _run(x, w, dy, FP8Spec("rowwise", emulate=emulate))
+    y0, dx0, dw0 = _run(x, w, dy, FP8Spec("rowwise", emulate=emulate, fp8_wgrad=False))
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    ref = _reference(x, w, dy)[2]
+    rel = [((dw.double() - ref).norm() / ref.norm()).item() for dw in (dw0, dw1)]
+    assert rel[0] < 1e-6 and rel[1] > 1e-3, rel
+
+
 @pytest.mark.parametrize("which", ["fp8-blockwise", "nvfp4"])
 def test_runs_under_a_bf16_default_dtype(which):
     """``bf16-true`` makes bf16 the default dtype: the quantizers' own buffers (amaxes, scales, padded copies, random

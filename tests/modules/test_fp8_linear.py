@@ -42,6 +42,19 @@ def test_fp8_linear_against_float64(recipe, emulate):
         assert err < bound, (recipe, err)  # E4M3 forward; E5M2 gradients (tensorwise, delayed) keep one bit less
 
 
+@pytest.mark.parametrize("emulate", [False, True], ids=["kernel", "emulated"])
+def test_unquantized_wgrad(emulate):
+    """``FP8Spec(fp8_wgrad=False)``: the forward and dgrad of the FP8 wgrad's run, bit for bit; the weight gradient of
+    the unquantized operands (float64's up to float32 summation order), where the FP8 one carries its quantization."""
+    x, w, dy = _data()
+    y1, dx1, dw1 = _run(x, w, dy, FP8Spec("rowwise", emulate=emulate))
+    y0, dx0, dw0 = _run(x, w, dy, FP8Spec("rowwise", emulate=emulate, fp8_wgrad=False))
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    ref = dy.double().t() @ x.double()
+    rel = [((dw.double() - ref).norm() / ref.norm()).item() for dw in (dw0, dw1)]
+    assert rel[0] < 1e-6 and rel[1] > 1e-3, rel
+
+
 def _tp(rank, world):
     import torch.distributed as dist
     dist.init_process_group("gloo")  # the harness sets MASTER_ADDR/PORT, RANK and WORLD_SIZE
