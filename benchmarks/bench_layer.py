@@ -191,8 +191,11 @@ def padded_rows(counts: list[int], h: int, device, dtype) -> tuple:
     return x.requires_grad_(), torch.tensor(sizes, device=device).cumsum(0).to(torch.int32), g
 
 
-def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2):
+def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2, fused_swiglu: bool = False):
+    """The bare block with FP8 GEMMs; ``fused_swiglu``: the layer's Triton SwiGLU, else torch's (as ``bare_block``)."""
     h_M2F = fp8_grouped_mm(x_MD, w13_EDF2, offs_E, spec1)
+    if fused_swiglu:
+        return fp8_grouped_mm(swiglu(h_M2F, fused=True), w2_EFD, offs_E, spec2)
     gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
     return fp8_grouped_mm(F.silu(gate_MF) * up_MF, w2_EFD, offs_E, spec2)
 
@@ -369,14 +372,19 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         spec1, spec2 = fp8_specs(precision)
         x_in, offs_in, g_in = padded if spec1.rows_align > 1 else (x_MD, offs_E, g_MD)
 
-        def fp8_step(s1=spec1, s2=spec2, x_in=x_in, offs_in=offs_in, g_in=g_in):
-            fp8_block(x_in, w13, w2, offs_in, s1, s2).backward(g_in)
+        def fp8_step(s1=spec1, s2=spec2, x_in=x_in, offs_in=offs_in, g_in=g_in, fused=False):
+            fp8_block(x_in, w13, w2, offs_in, s1, s2, fused).backward(g_in)
 
         t = time_fn(fp8_step, device, args.iters, args.warmup, bare_tensors, args.timer)
         t["tflops"] = tflops(flops, t["median_ms"])
         rec.setdefault("fp8", {})[precision] = {
             "layer": t_fp8_layer, "bare": t, "layer_speedup": t_layer["median_ms"] / t_fp8_layer["median_ms"],
             "bare_speedup": t_bare["median_ms"] / t["median_ms"]}
+        if "bare_fused_swiglu" in rec:  # both blocks with the Triton SwiGLU the layer runs
+            t = time_fn(lambda: fp8_step(fused=True), device, args.iters, args.warmup, bare_tensors, args.timer)
+            t["tflops"] = tflops(flops, t["median_ms"])
+            rec["fp8"][precision].update(bare_fused_swiglu=t, bare_fused_swiglu_speedup=rec["bare_fused_swiglu"][
+                "median_ms"] / t["median_ms"])
 
     # ---- (c) optional per-expert loop at the qwen3 shape
     if args.with_loop and name == "qwen3":

@@ -97,3 +97,20 @@ def test_fp8_dispatch_pack_and_unpack_exact(M, D, dtype, monkeypatch):
     """The FP8 dispatch's packing and unpacking through the kernels: the torch path's bytes and values, bit for bit."""
     from tests.modules.test_triton_fp8_quant import _check_pack_and_unpack
     _check_pack_and_unpack(M, D, dtype, monkeypatch, exact_cast=True, device="cuda")
+
+
+@hopper
+@pytest.mark.parametrize("L,K,N", [(8, 4096, 28672), (8, 14336, 4096), (128, 2048, 1536), (128, 768, 2048)])
+def test_weight_copies_exact(L, K, N):
+    """``triton_fp8_weights.quantize_both``: the forward and dgrad copies of the experts' weights with torch's bytes
+    and scales, at Mixtral's and Qwen3's expert weights."""
+    from lightning_moe.modules import triton_fp8_weights as tw
+    from lightning_moe.modules.fp8 import abs_amax, saturate, scale_of
+    g = torch.Generator(device="cuda").manual_seed(K + N)
+    w = (torch.randn(L, K, N, generator=g, device="cuda") * torch.logspace(-2, 1, N, device="cuda")).bfloat16()
+    w[0, :, 3] = 0
+    (qf, sf), (qd, sd) = tw.quantize_both(w)
+    ref_sf, ref_sd = scale_of(abs_amax(w, 1), "e4m3"), scale_of(abs_amax(w, 2), "e4m3")
+    assert torch.equal(sf, ref_sf) and torch.equal(sd, ref_sd)
+    _same_bytes(qf, k.saturate_t(w, ref_sf, 448.0, torch.float8_e4m3fn))
+    _same_bytes(qd, saturate(w, ref_sd, 448.0, torch.float8_e4m3fn))

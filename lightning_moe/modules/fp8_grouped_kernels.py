@@ -23,8 +23,9 @@ There is no grouped kernel for E5M2 operands (the hybrid format's gradients) nor
 GEMMs run emulated.
 
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
-of about six) where triton is installed and no amax is reduced over the ETP group; ``LMOE_FP8_TRITON_QUANT=0`` (or
-``FUSED_QUANT = False``) keeps the torch code, for comparisons.
+of about six; ``triton_fp8_weights.py``: both weight copies in two passes instead of four) where triton is installed
+and no amax is reduced over the ETP group; ``LMOE_FP8_TRITON_QUANT=0`` (or ``FUSED_QUANT = False``) keeps the torch
+code, for comparisons.
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ def _quant_kernels(spec: FP8Spec, t: torch.Tensor):
     return load("triton_fp8_quant", t)
 
 
+def _weight_kernels(spec: FP8Spec, w_LKN: torch.Tensor):
+    """``triton_fp8_weights`` where it makes the rowwise weight copies: the Triton quantizers' recipe, no amax reduced
+    over an ETP group, no FP8 parameter all-gather amaxes to reuse; else None."""
+    if _quant_kernels(spec, w_LKN) is None or spec.group is not None or spec.weight_amax(w_LKN) is not None:
+        return None
+    return load("triton_fp8_weights", w_LKN)
+
+
 def _triton_wgrad(tq, t: torch.Tensor):
     """``triton_fp8_wgrad`` where it takes the wgrad: the Triton quantizers' operands (``tq``), on CUDA (the
     interpreter's dot has no FP8); else None (CUTLASS's)."""
@@ -146,7 +155,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dtype, fmax = FORMATS[fwd]
             return saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2), ws  # column-major, as the kernel reads B
 
-        w_cm, ws = spec.cached_weight("w", w_LKN, quantize_w)
+        tw = _weight_kernels(spec, w_LKN)
+        ctx.w_t = None
+        if tw is not None:  # both copies in two passes; the dgrad's kept for backward (an uncached step remakes none)
+            (wq_LNK, ws), ctx.w_t = spec.cached_weight("w_both", w_LKN, lambda: tw.quantize_both(w_LKN, fwd))
+            w_cm = wq_LNK.transpose(1, 2)
+        else:
+            w_cm, ws = spec.cached_weight("w", w_LKN, quantize_w)
         ctx.sync, ctx.param = sync, w_LKN if sync is not None else None
         y = _rows_gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, spec.fast("fprop"))
         return y.to(x_MK.dtype)
@@ -167,8 +182,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
         # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
         tq = _quant_kernels(spec, dy_MN)
         dyq, dys = _rows(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd)
-        wq, ws = spec.cached_weight("w_t", w_LKN, lambda: _cast(
+        wq, ws = ctx.w_t or spec.cached_weight("w_t", w_LKN, lambda: _cast(
             w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd))
+        ctx.w_t = None
         dx = _rows_gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs,
                         spec.fast("dgrad"))
         if not ctx.needs_input_grad[1]:  # frozen experts: no wgrad operands, no wgrad
