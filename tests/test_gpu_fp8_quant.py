@@ -114,3 +114,21 @@ def test_weight_copies_exact(L, K, N):
     assert torch.equal(sf, ref_sf) and torch.equal(sd, ref_sd)
     _same_bytes(qf, k.saturate_t(w, ref_sf, 448.0, torch.float8_e4m3fn))
     _same_bytes(qd, saturate(w, ref_sd, 448.0, torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("M,K,L", [(131072, 2048, 128), (131072, 768, 128), (16384, 14336, 8), (16384, 28672, 8),
+                                   (3000, 200, 7)])
+def test_rowwise_quant_col_amax_exact(M, K, L):
+    """``rowwise_quant_col_amax``: the two kernels' bytes, scales and amaxes from one read, with its default configs
+    (rows kept in registers, and the widest read twice), at uneven experts with a NaN tail."""
+    from lightning_moe.modules.fp8_grouped import expert_of_rows
+    g = torch.Generator(device="cuda").manual_seed(M + K)
+    offs = _uneven_offs(M - 50, L, g)
+    x = _x(M, K, g)
+    x[offs[-1]:] = float("nan")
+    gid = expert_of_rows(M, offs, x.device)
+    q, s, amax = tq.rowwise_quant_col_amax(x, offs, gid)
+    rq, rs = tq.rowwise_quant(x)
+    _same_bytes(q[:int(offs[-1])], rq[:int(offs[-1])])  # tail rows: NaN, whose E4M3 byte the two kernels may differ in
+    assert torch.equal(s, rs) or torch.equal(s.nan_to_num(), rs.nan_to_num())
+    assert torch.equal(amax, tq.grouped_col_amax(x, offs, gid))

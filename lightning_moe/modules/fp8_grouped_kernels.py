@@ -130,17 +130,30 @@ def _rows(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, split_k: b
     return _cast(x_MK, rows_amax(x_MK, offs, gid_M, tiling(spec.recipe, role), spec, name, split_k), fmt)
 
 
-def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8Spec, name: str, fmt: str):
-    """``_by_expert_t`` with rowwise scales in two passes: amax, (its reduction over the expert's data-parallel
-    ranks, as ``tokens_amax``), then quantized straight into the transposed padded layout."""
-    scale_LX = scale_of(_reduced(tq.grouped_col_amax(x_MX, offs, gid_M), spec, name, False, tokens=True), fmt)
+def _rows_and_amax(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, split_k: bool, fmt: str, amax: bool):
+    """``_rows``' per-row quantization and, with ``amax``, the wgrad operand's per-expert column amax from the same
+    read (``rowwise_quant_col_amax``) where the rows need no amax reduced over ranks; else None for it."""
+    if amax and tq is not None and not (split_k and spec.group is not None):
+        q, s, amax_LK = tq.rowwise_quant_col_amax(x_MK, offs, gid_M, fmt)
+        return q, s, amax_LK
+    return (*_rows(tq, x_MK, offs, gid_M, spec, role, name, split_k, fmt), None)
+
+
+def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8Spec, name: str, fmt: str,
+                       amax_LX=None):
+    """``_by_expert_t`` with rowwise scales in two passes: amax (or ``amax_LX``, taken with the rowwise pass), its
+    reduction over the expert's data-parallel ranks (as ``tokens_amax``), then quantized straight into the transposed
+    padded layout."""
+    amax_LX = tq.grouped_col_amax(x_MX, offs, gid_M) if amax_LX is None else amax_LX
+    scale_LX = scale_of(_reduced(amax_LX, spec, name, False, tokens=True), fmt)
     return tq.quant_t_padded(x_MX, scale_LX, offs, poffs_L, gid_P, P, fmt), scale_LX
 
 
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, sync):
-        """``sync``: the GradSync that takes the wgrad into w's main grad (the Triton wgrad's epilogue), or None."""
+    def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, sync, wgrad: bool):
+        """``sync``: the GradSync that takes the wgrad into w's main grad (the Triton wgrad's epilogue), or None;
+        ``wgrad``: the backward will make an FP8 wgrad (its operand's column amax then comes with the rowwise pass)."""
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         offs = offs_L.to(torch.int32)
@@ -149,7 +162,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         ctx.spec = spec
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
-        xq, xs = _rows(_quant_kernels(spec, x_MK), x_MK, offs, gid_M, spec, "input", "x", row, fwd)
+        xq, xs, ctx.x_amax = _rows_and_amax(_quant_kernels(spec, x_MK), x_MK, offs, gid_M, spec, "input", "x", row,
+                                            fwd, wgrad)
         def quantize_w():
             ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
             dtype, fmax = FORMATS[fwd]
@@ -173,7 +187,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         fwd, bwd = spec.formats()
         if bwd != "e4m3":  # E5M2 gradients: no grouped kernel
             return (emulated_dgrad(dy_MN, w_LKN, offs, gid_M, spec).to(x_MK.dtype),
-                    emulated_wgrad(x_MK, dy_MN, offs, gid_M, spec).to(w_LKN.dtype), None, None, None)
+                    emulated_wgrad(x_MK, dy_MN, offs, gid_M, spec).to(w_LKN.dtype), None, None, None, None)
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         col, row = spec.split == "out", spec.split == "in"
@@ -181,23 +195,26 @@ class _ScaledGroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
         tq = _quant_kernels(spec, dy_MN)
-        dyq, dys = _rows(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd)
+        fp8_wgrad = ctx.needs_input_grad[1] and spec.fp8_wgrad
+        dyq, dys, dy_amax = _rows_and_amax(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd, fp8_wgrad)
         wq, ws = ctx.w_t or spec.cached_weight("w_t", w_LKN, lambda: _cast(
             w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd))
         ctx.w_t = None
         dx = _rows_gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs,
                         spec.fast("dgrad"))
         if not ctx.needs_input_grad[1]:  # frozen experts: no wgrad operands, no wgrad
-            return dx.to(x_MK.dtype), None, None, None, None
+            return dx.to(x_MK.dtype), None, None, None, None, None
         if not spec.fp8_wgrad:  # Megatron's fp8_wgrad=False: the unquantized operands on bf16 tensor cores
-            return dx.to(x_MK.dtype), _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN), None, None, None
+            dw = _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN)
+            return dx.to(x_MK.dtype), dw, None, None, None, None
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries (128 for the Triton kernel's blocks)
         wk = _triton_wgrad(tq, dy_MN)
         dest_M, poffs_L, _, P = padded_layout(offs, M, wk.T if wk is not None else ALIGN)
         gid_P = expert_of_rows(P, poffs_L, x_MK.device)
         if tq is not None:
-            xT_KP, xs_LK = _by_expert_t_fused(tq, x_MK, offs, gid_M, poffs_L, gid_P, P, spec, "x_t", fwd)
-            dyT_NP, ds_LN = _by_expert_t_fused(tq, dy_MN, offs, gid_M, poffs_L, gid_P, P, spec, "dy_t", bwd)
+            xT_KP, xs_LK = _by_expert_t_fused(tq, x_MK, offs, gid_M, poffs_L, gid_P, P, spec, "x_t", fwd, ctx.x_amax)
+            dyT_NP, ds_LN = _by_expert_t_fused(tq, dy_MN, offs, gid_M, poffs_L, gid_P, P, spec, "dy_t", bwd, dy_amax)
+            ctx.x_amax = None
         else:
             xT_KP, xs_LK = _by_expert_t(x_MK, tokens_amax(x_MK, offs, t_in, spec, "x_t", row), dest_M, gid_P, P,
                                         fwd)
@@ -206,7 +223,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if wk is None:
             dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32),
                        spec.fast("wgrad"))
-            return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None, None
+            return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None, None, None
         a, b, fast = (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), spec.fast("wgrad")
         # never read under the fusion: it only fires GradSync's hook, which drops it
         dw = torch.empty_like(w_LKN)
@@ -216,7 +233,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         else:
             wk.wgrad_into(dw, a, b, poffs_L, True, per_expert=True, fast=fast)
         ctx.sync = ctx.param = None
-        return dx.to(x_MK.dtype), dw, None, None, None
+        return dx.to(x_MK.dtype), dw, None, None, None, None
 
 
 def _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN) -> torch.Tensor:
@@ -237,4 +254,5 @@ def scaled_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Ten
     triton_wgrad = spec.formats()[1] == "e4m3" and _triton_wgrad(_quant_kernels(spec, x_MK), x_MK) is not None
     unquantized = not spec.fp8_wgrad and spec.formats()[1] == "e4m3"  # E5M2: the emulated backward's wgrad
     sync = wgrad_fusion.sink_for(w_LKN, x_MK, grouped=True) if triton_wgrad or unquantized else None
-    return _ScaledGroupedMM.apply(x_MK, w_LKN, offs_L, spec, sync)
+    wgrad = torch.is_grad_enabled() and w_LKN.requires_grad and spec.fp8_wgrad
+    return _ScaledGroupedMM.apply(x_MK, w_LKN, offs_L, spec, sync, wgrad)

@@ -3,6 +3,8 @@ the same bits as the torch code (``fp8.scale_of``, ``fp8.saturate``, ``expert_pa
 
 rowwise_quant      q = sat(x * 448 / max(amax_row, 1e-12))          one read of x, one write (x forward, dy dgrad)
 grouped_col_amax   amax[e, k] = max over expert e's rows of |x[:, k]|  one read; rows past offs[-1] never read
+rowwise_quant_col_amax
+                   both of the above from the same read of x           one read, one write
 quant_t_padded     q^T in the wgrad layout: expert e's rows at its 16-aligned padded start, transposed to (X, P),
                    zeros in the padding                                one read, one write
 
@@ -108,6 +110,66 @@ def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constex
 
 
 @triton.jit
+def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M, K, L, CHUNK, FMAX: tl.constexpr,
+                             TINY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NKB: tl.constexpr,
+                             STAGES: tl.constexpr, KEEP: tl.constexpr):
+    """``_rowwise_kernel``'s rows and ``_col_amax_kernel``'s amaxes from one read: a chunk of CHUNK rows, walked in
+    blocks of BLOCK_M whole rows (NKB blocks of BLOCK_K columns), each expert's part of the chunk in turn, then its
+    tail rows (past offs[-1]: quantized, in no amax). The column maxes are NKB running tiles in registers (a tuple:
+    Triton cannot index one tensor by a loop's block), reduced over their rows and merged with one atomic max per
+    column per expert part. The row block's tiles stay in registers between its amax and its quantization (KEEP,
+    always for NKB = 1), else the second read comes from L2 (wide rows). The maxes run in fp32 (exact)."""
+    r0 = tl.program_id(0) * CHUNK
+    r1 = tl.minimum(r0 + CHUNK, M)
+    rr = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    g0 = tl.load(gid_ptr + r0)
+    g1 = tl.load(gid_ptr + r1 - 1)
+    tail = tl.load(offs_ptr + L - 1)
+    for e in range(g0, g1 + 2):  # e = g1 + 1: the tail rows
+        ee = tl.minimum(e, g1)
+        start = tl.where(e > g1, tail, tl.where(ee > 0, tl.load(offs_ptr + tl.maximum(ee - 1, 0)), 0))
+        end = tl.where(e > g1, M, tl.load(offs_ptr + ee))
+        lo, hi = tl.maximum(start, r0), tl.minimum(end, r1)
+        accs = ()
+        for kb in tl.static_range(NKB):
+            accs = accs + (tl.zeros((BLOCK_M, BLOCK_K), tl.float32),)
+        for r in tl.range(lo, hi, BLOCK_M, num_stages=STAGES):  # STAGES > 1: later blocks' loads in flight
+            rows = r + rr
+            rmask = rows < hi
+            base = rows.to(tl.int64)[:, None] * K
+            amax = tl.zeros((BLOCK_M,), tl.float32)
+            new, xs = (), ()
+            for kb in tl.static_range(NKB):
+                mask = rmask[:, None] & (kb * BLOCK_K + cols < K)[None, :]
+                x = tl.load(x_ptr + base + kb * BLOCK_K + cols[None, :], mask=mask, other=0.0)
+                ax = tl.abs(x.to(tl.float32))  # fp32 maxes: Triton 3.6 reduces bf16 maxes through fp32
+                amax = _max_nan(amax, tl.reduce(ax, 1, _max_nan))
+                new = new + (_max_nan(accs[kb], ax),)
+                if KEEP or NKB == 1:
+                    xs = xs + (x,)
+            accs = new
+            scale = _scale(amax, FMAX, TINY, BLOCK_M)
+            for kb in tl.static_range(NKB):
+                mask = rmask[:, None] & (kb * BLOCK_K + cols < K)[None, :]
+                if KEEP or NKB == 1:
+                    x = xs[kb]
+                else:
+                    x = tl.load(x_ptr + base + kb * BLOCK_K + cols[None, :], mask=mask, other=0.0)
+                q = _sat(x.to(tl.float32) * scale[:, None], FMAX)
+                tl.store(q_ptr + base + kb * BLOCK_K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + rows, scale, mask=rmask)
+        if (lo < hi) & (e <= g1):
+            for kb in tl.static_range(NKB):
+                kc = kb * BLOCK_K + cols
+                cmax = tl.reduce(accs[kb], 0, _max_nan)
+                # |x| >= 0 or NaN is ordered as its int32 bits (the one atomic of tl.atomic_max's fp32 pair that
+                # acts); a NaN as fp32's canonical one, grouped_col_amax's on a GPU (bf16's, widened, is not)
+                cmax_bits = tl.where(cmax != cmax, 0x7FFFFFFF, cmax.to(tl.int32, bitcast=True))
+                tl.atomic_max(amax_ptr + e * K + kc, cmax_bits, mask=kc < K, sem="relaxed")
+
+
+@triton.jit
 def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X, FMAX: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr):
     """BLOCK_P padded positions x BLOCK_X columns: each position's expert (gid), its source row, a transposed
@@ -204,6 +266,57 @@ def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tens
             x_MX, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax, M, X, CHUNK=CHUNK,
             BLOCK_M=BLOCK_M, BLOCK_X=BLOCK_X, num_warps=warps)
     return amax
+
+
+def fused_config(M: int, K: int) -> tuple:
+    """``rowwise_quant_col_amax``'s (CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep) for M rows of K: column blocks of
+    the largest power of two dividing K (at most 4096), so that no lanes are padding; row blocks of about 4096 values,
+    whole rows kept in registers up to 16384 values, wider rows read twice; chunks giving about 512 programs (4 per
+    SM), at most 256 rows; warps and stages from a sweep on one H100 (``benchmarks/bench_fp8_quant.py``)."""
+    full = triton.next_power_of_2(K)
+    BLOCK_K = min(K & -K, 4096)
+    if BLOCK_K < 128:  # K with a small power-of-two factor: padded blocks instead of many small ones
+        BLOCK_K = min(full, 4096)
+    row = triton.cdiv(K, BLOCK_K) * BLOCK_K
+    BLOCK_M = max(1, triton.next_power_of_2(4096 // row + 1) // 2)  # the largest power of two <= 4096 // row
+    keep = BLOCK_M * row <= 16384
+    warps = min(32, max(4, triton.next_power_of_2(BLOCK_M * row // 512)))
+    if not keep:
+        BLOCK_K = 4096
+    CHUNK = max(BLOCK_M, min(256, triton.next_power_of_2(triton.cdiv(M, 512))))
+    # measured on one H100 (bench_fp8_quant.py): one warpgroup and three stages of row-block loads in flight win
+    # wherever the rows stay in registers (1.4-1.6x the two kernels' time); wide rows read twice want 16 warps
+    warps = 4 if keep else 16
+    return CHUNK, BLOCK_M, BLOCK_K, warps, 3, int(keep)
+
+
+def rowwise_quant_col_amax(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor, fmt: str = "e4m3",
+                           config: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_MK, scale_M1, amax_LK)``: ``rowwise_quant(x_MK, fmt)``'s and ``grouped_col_amax(x_MK, offs_L, gid_M)``'s
+    bits (a NaN amax as fp32's canonical NaN) from one read of x. Bytes moved per bf16 value: 2 read and 1 written
+    from and to HBM (3, against 3 + 2 for the two kernels), plus 4 per row (the scales) and 4 per column for each
+    expert's part of each chunk of CHUNK rows (one atomic max each, in L2). Rows past offs[-1] are quantized as
+    ``rowwise_quant`` quantizes them and are in no amax. ``config``: (CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep),
+    ``fused_config``'s by default. Rows wider than BLOCK_K go in K blocks: with keep, a row block's blocks stay in
+    registers from its amax to its quantization; without, they are read again (from L2: 2 more bytes per value
+    through L2, none from HBM while the block stays there). stages > 1 pipelines the chunk's row-block loads."""
+    dtype, fmax = FORMATS[fmt]
+    x_MK = x_MK.contiguous()
+    M, K = x_MK.shape
+    L = offs_L.numel()
+    amax = torch.zeros(L, K, device=x_MK.device, dtype=torch.float32)
+    if not (M and K and L):  # no rows, or no experts (every row a tail row): nothing to reduce
+        return (*rowwise_quant(x_MK, fmt), amax)
+    CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep = config or fused_config(M, K)
+    BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
+    q = torch.empty(M, K, device=x_MK.device, dtype=dtype)
+    s = torch.empty(M, 1, device=x_MK.device, dtype=torch.float32)
+    _rowwise_col_amax_kernel[(triton.cdiv(M, CHUNK),)](
+        x_MK, q, s, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax.view(torch.int32), M,
+        K, L, CHUNK,
+        FMAX=fmax, TINY=_TINY, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, NKB=triton.cdiv(K, BLOCK_K), STAGES=stages,
+        KEEP=bool(keep), num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
+    return q, s, amax
 
 
 def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
