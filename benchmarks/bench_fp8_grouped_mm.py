@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from bench_fp8_wgrad import SHAPES, parse_args
-from common import emit, env_info, log, time_fn
+from bench_fp8_wgrad import SHAPES, parse_args, timed
+from common import emit, env_info, log
 
 # (BLOCK_M, BLOCK_N, warps, stages)
 CONFIGS = [(128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (128, 256, 8, 4),
@@ -25,13 +25,8 @@ def main() -> None:
     dev = torch.device("cuda")
     records = []
 
-    def timed(fn):
-        try:
-            return time_fn(fn, dev, args.iters, 2)["median_ms"]
-        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported, not fatal
-            return f"{type(e).__name__}: {str(e)[:160]}"
-
-    def rate(v, flop):
+    def rate(fn, flop):
+        v = timed(fn, dev, args.iters)
         return round(flop / v / 1e9, 1) if isinstance(v, float) else v
 
     for name in args.shapes.split(","):
@@ -54,12 +49,11 @@ def main() -> None:
                     def cutlass(fast=fast):
                         return torch._scaled_grouped_mm(aq, bq.transpose(1, 2), sa, sb, offs=offs,
                                                         out_dtype=torch.bfloat16, use_fast_accum=fast)
-                    rec[f"cutlass_{tag}"] = rate(timed(cutlass), flop)
+                    rec[f"cutlass_{tag}"] = rate(cutlass, flop)
                     ref = cutlass()[:M].float()
                     for c in CONFIGS:
                         key = f"triton_{tag}_" + "x".join(map(str, c))
-                        rec[key] = rate(timed(lambda c=c, fast=fast: tg.grouped_mm(aq, bq, sa, sb, offs, fast, c)),
-                                        flop)
+                        rec[key] = rate(lambda c=c, fast=fast: tg.grouped_mm(aq, bq, sa, sb, offs, fast, c), flop)
                         if c == CONFIGS[0]:
                             got = tg.grouped_mm(aq, bq, sa, sb, offs, fast, c).float()
                             rec[f"rel_diff_{tag}"] = ((got - ref).norm() / ref.norm()).item()

@@ -40,6 +40,14 @@ def parse_args(doc: str) -> argparse.Namespace:
     return p.parse_args()
 
 
+def timed(fn, dev: torch.device, iters: int):
+    """``fn``'s median ms, or why it failed: a config that does not compile or fit is reported, not fatal."""
+    try:
+        return time_fn(fn, dev, iters, 2)["median_ms"]
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
 def main() -> None:
     args = parse_args(__doc__)
     from lightning_moe.modules import triton_fp8_blockwise as tb
@@ -51,14 +59,11 @@ def main() -> None:
     dev = torch.device("cuda")
     records = []
 
-    def timed(fn):
-        try:
-            return time_fn(fn, dev, args.iters, 2)["median_ms"]
-        except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is reported, not fatal
-            return f"{type(e).__name__}: {str(e)[:160]}"
-
     def rate(v, flop):
         return (round(v, 4), round(flop / v / 1e9, 1)) if isinstance(v, float) else v
+
+    def timed_(fn):
+        return timed(fn, dev, args.iters)
 
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -76,14 +81,14 @@ def main() -> None:
             rec = {"shape": name, "gemm": gemm, "experts": E, "rows": M, "K": K, "N": N, "tiles_ms": {}}
             for what, kw in (("no_wgrad", dict(wgrad=False)), ("bf16_wgrad", dict(wgrad=True)),
                              ("fp8_wgrad", dict(wgrad=True, wgrad_fp8=True))):
-                rec["tiles_ms"][what] = timed(lambda kw=kw: tb.tiles(dy, None, end, "e4m3", P=M, **kw))
+                rec["tiles_ms"][what] = timed_(lambda kw=kw: tb.tiles(dy, None, end, "e4m3", P=M, **kw))
             main = torch.empty(E, K, N, device=dev)
-            rec["bf16"] = {"grouped_mm": rate(timed(lambda: F.grouped_mm(x.t(), dy, offs=offs)), flop),
-                           "triton_into_main": rate(timed(lambda: bf16_wgrad_into(main, x, dy, offs, True)), flop)}
+            rec["bf16"] = {"grouped_mm": rate(timed_(lambda: F.grouped_mm(x.t(), dy, offs=offs)), flop),
+                           "triton_into_main": rate(timed_(lambda: bf16_wgrad_into(main, x, dy, offs, True)), flop)}
             # blockwise: E4M3 operands with per-128-token scales
             _, _, (aT, sa) = tb.tiles(x, None, end, "e4m3", True, M, wgrad_fp8=True)
             _, _, (bT, sb) = tb.tiles(dy, None, end, "e4m3", True, M, wgrad_fp8=True)
-            rec["blockwise"] = {"x".join(map(str, c)): rate(timed(
+            rec["blockwise"] = {"x".join(map(str, c)): rate(timed_(
                 lambda c=c: tw.wgrad_into(main, (aT, sa), (bT, sb), offs, True, config=c)), flop) for c in CONFIGS}
             # rowwise: per expert and feature (the offsets are already on 128-row boundaries)
             sx = scale_of(tq.grouped_col_amax(x, offs, gid), "e4m3")
@@ -101,14 +106,14 @@ def main() -> None:
                     tw.wgrad_into(main, (xT, sx.reciprocal()), (dyT, sd.reciprocal()), offs, True, per_expert=True,
                                   fast=fast)
                 tag = "fast" if fast else "precise"
-                rw[f"cutlass_{tag}_then_copy"] = rate(timed(cutlass), flop)
-                rw[f"triton_{tag}_into_main"] = rate(timed(triton_), flop)
+                rw[f"cutlass_{tag}_then_copy"] = rate(timed_(cutlass), flop)
+                rw[f"triton_{tag}_into_main"] = rate(timed_(triton_), flop)
                 cutlass()
                 ref = main.clone()
                 triton_()
                 rw[f"rel_diff_{tag}"] = rel(main, ref)
                 for c in CONFIGS[1:]:  # the other tiles: without the per-block promotion, larger ones may not spill
-                    rw[f"triton_{tag}_" + "x".join(map(str, c))] = rate(timed(lambda c=c, fast=fast: tw.wgrad_into(
+                    rw[f"triton_{tag}_" + "x".join(map(str, c))] = rate(timed_(lambda c=c, fast=fast: tw.wgrad_into(
                         main, (xT, sx.reciprocal()), (dyT, sd.reciprocal()), offs, True, per_expert=True, fast=fast,
                         config=c)), flop)
             rec["rowwise"] = rw

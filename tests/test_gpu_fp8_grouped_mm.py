@@ -27,6 +27,15 @@ def _offs(M_valid: int, L: int, g) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32)
 
 
+def _operands(M, K, N, L, seed):
+    """Uneven offsets with 64 tail rows, and bf16 x (M, K), w (L, K, N), dy (M, N)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    offs = _offs(M - 64, L, g)
+    return (offs, torch.randn(M, K, generator=g, device="cuda").bfloat16(),
+            (torch.randn(L, K, N, generator=g, device="cuda") * 0.02).bfloat16(),
+            torch.randn(M, N, generator=g, device="cuda").bfloat16())
+
+
 @pytest.mark.parametrize("M,K,N,L", [(131072, 2048, 1536, 128), (131072, 768, 2048, 128), (16384, 4096, 2048, 8),
                                      (3000, 272, 208, 7)])
 @pytest.mark.parametrize("fast", [False, True])
@@ -47,12 +56,7 @@ def test_matches_cutlass(M, K, N, L, fast):
 @pytest.mark.parametrize("fast_accum", ["none", "fprop", "all"])
 def test_scaled_grouped_mm_with_and_without_the_triton_gemm(fast_accum, monkeypatch):
     from lightning_moe.modules.fp8_linear import FP8Spec
-    g = torch.Generator(device="cuda").manual_seed(1)
-    M, K, N, L = 8192, 512, 768, 16
-    offs = _offs(M - 64, L, g)
-    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
-    w = (torch.randn(L, K, N, generator=g, device="cuda") * 0.02).bfloat16()
-    dy = torch.randn(M, N, generator=g, device="cuda").bfloat16()
+    offs, x, w, dy = _operands(8192, 512, 768, 16, seed=1)
     outs, v = {}, int(offs[-1])
     for on in (False, True):
         monkeypatch.setattr(k, "TRITON_GEMM", on)
@@ -72,12 +76,7 @@ def test_unquantized_wgrad_into_main_grads():
     from lightning_moe.modules.fp8_linear import FP8Spec
     from lightning_moe.strategy.grad_sync import GradSync
     from lightning_moe.strategy.parallel_context import ParallelContext
-    g = torch.Generator(device="cuda").manual_seed(3)
-    M, K, N, L = 4096, 512, 768, 8
-    offs = _offs(M - 64, L, g)
-    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
-    w = (torch.randn(L, K, N, generator=g, device="cuda") * 0.02).bfloat16()
-    dy = torch.randn(M, N, generator=g, device="cuda").bfloat16()
+    offs, x, w, dy = _operands(4096, 512, 768, 8, seed=3)
     p = torch.nn.Parameter(w.clone())
     p.wgrad_fusable = True
     sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)

@@ -18,9 +18,8 @@ no autocast) it writes or adds into the fp32 main grad, where the CUTLASS kernel
 then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TRITON_WGRAD=0``: the CUTLASS kernel,
 for comparisons). The forward and dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with
 CUTLASS's bits and faster, above all at fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``:
-CUTLASS's, for comparisons).
-There is no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for blockwise scales on Hopper: those
-GEMMs run emulated.
+CUTLASS's, for comparisons). There is no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for
+blockwise scales on Hopper: those GEMMs run emulated.
 
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
 of about six; ``triton_fp8_weights.py``: both weight copies in two passes instead of four) where triton is installed
@@ -134,8 +133,7 @@ def _rows_and_amax(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, s
     """``_rows``' per-row quantization and, with ``amax``, the wgrad operand's per-expert column amax from the same
     read (``rowwise_quant_col_amax``) where the rows need no amax reduced over ranks; else None for it."""
     if amax and tq is not None and not (split_k and spec.group is not None):
-        q, s, amax_LK = tq.rowwise_quant_col_amax(x_MK, offs, gid_M, fmt)
-        return q, s, amax_LK
+        return tq.rowwise_quant_col_amax(x_MK, offs, gid_M, fmt)
     return (*_rows(tq, x_MK, offs, gid_M, spec, role, name, split_k, fmt), None)
 
 
@@ -171,7 +169,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
         tw = _weight_kernels(spec, w_LKN)
         ctx.w_t = None
-        if tw is not None:  # both copies in two passes; the dgrad's kept for backward (an uncached step remakes none)
+        if tw is not None:  # both copies in two passes, the dgrad's kept for backward: made once even uncached
             (wq_LNK, ws), ctx.w_t = spec.cached_weight("w_both", w_LKN, lambda: tw.quantize_both(w_LKN, fwd))
             w_cm = wq_LNK.transpose(1, 2)
         else:
