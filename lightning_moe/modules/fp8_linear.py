@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_moe.modules.fp8 import BLOCK, AmaxHistory, Tiling, block_amax, formats, fp8_mm, tiling
+from lightning_moe.modules.wgrad_fusion import wgrad_into
 
 
 @dataclass
@@ -136,9 +137,9 @@ class _FP8Linear(torch.autograd.Function):
         amax_w = spec.weight_amax(w_NK)
         dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), ("data", col),
                  (row, col), x_MK.dtype, "dgrad", None if amax_w is None else amax_w.t())
-        if not spec.fp8_wgrad:  # the unquantized operands, accumulated in fp32 (CPU: from fp32 copies)
-            dw = torch.mm(dy_MN.t(), x_MK.to(dy_MN.dtype), out_dtype=torch.float32) if dy_MN.is_cuda else \
-                dy_MN.t().float() @ x_MK.float()
+        if not spec.fp8_wgrad:  # the unquantized operands, accumulated in fp32 (the fused wgrad's GEMM)
+            dw = torch.empty(w_NK.shape, dtype=torch.float32, device=w_NK.device)
+            wgrad_into(dw, dy_MN, x_MK.to(dy_MN.dtype), True)
             return dx.reshape(ctx.shape), dw.to(w_NK.dtype), None
         # wgrad dW = dy^T x, reduced over the tokens M (never split); blockwise tiles of 128 tokens: zero rows pad M
         # to a multiple (they add nothing to the product and change no tile's amax)
