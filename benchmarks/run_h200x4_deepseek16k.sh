@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Four H200s (issue 18's last deliverable; prepared 2026-11-26, not yet run: 4-GPU kinds were lent only after that
-# session's device time was spent). deepseek-v3 with 4 layers (the preset's 3 dense layers first, then one MoE layer of
+# Four H200s (issue 18's last deliverable). deepseek-v3 with 4 layers (the preset's 3 dense layers first, then one MoE layer of
 # all 256 experts), seq 16384, EP4 folded over DP4 with the distributed optimizer: each recompute / offload setting's
 # peak memory and throughput, to find the best combination that fits. Ask `status` first.
 # Usage (repo root): OUT=dir bash benchmarks/run_h200x4_deepseek16k.sh
@@ -16,8 +15,11 @@ for v in "none:" \
          "rc_act_ln_attn_off_fc1:--recompute=moe_act,layernorm,core_attn --offload-activations=expert_fc1" \
          "rc_moe_mlp:--recompute=moe,mlp"; do
   name=${v%%:*}; flags=${v#*:}
-  timeout 200 python3 benchmarks/bench_model.py $BASE $flags --out "$OUT/ds16k_$name.json" > "$OUT/ds16k_$name.log" 2>&1
+  # One log and one JSON-lines file for all settings (a device call returns few files).
+  echo "=== $name: $flags" >> "$OUT/ds16k.log"
+  timeout ${RUN_TIMEOUT:-170} python3 benchmarks/bench_model.py $BASE $flags --out "/tmp/ds16k_$name.json" \
+    >> "$OUT/ds16k.log" 2>&1
   echo "$name rc=$?"
-  python3 -c "import json; r=json.load(open('$OUT/ds16k_$name.json'))['records'][0]; print('$name', {k: r.get(k) for k in ('tokens_per_sec','tflops_per_gpu','mfu','peak_mem_gib','error')})" \
-    2>/dev/null || grep -hE "OutOfMemory|Error" "$OUT/ds16k_$name.log" | tail -2 | cut -c1-300
+  python3 benchmarks/record_line.py "/tmp/ds16k_$name.json" "$name" | tee -a "$OUT/ds16k.jsonl" \
+    || grep -hE "OutOfMemory|Error" "$OUT/ds16k.log" | tail -2 | cut -c1-300
 done
