@@ -302,6 +302,8 @@ def run_one(args, preset: str) -> dict:
             ends = np.cumsum(np.maximum(16, rng.lognormal(np.log(args.doc_median), 1.0, n_tokens // 16).astype(int)))
             ids[ends[ends < n_tokens]] = cfg.vocab_size - 1
             packing = dict(pack_documents=True, eod_token_id=cfg.vocab_size - 1)
+            if args.cp > 1:  # packed CP splits every document into 2 * cp zig-zag chunks
+                packing["document_multiple"] = 2 * args.cp
         path = write_tokens(os.path.join(tmp, "tokens.bin"), ids, "uint16")
         data = TokenDataModule(path=path, seq_length=seq, batch_size=batch, val_batches=0, num_workers=0,
                                seed=args.seed, **packing)
@@ -337,6 +339,11 @@ def run_one(args, preset: str) -> dict:
         if args.nvfp4:
             from lightning_moe import NVFP4Training
             memory_callbacks.append(NVFP4Training())
+        dynamic_cp = None
+        if args.dynamic_cp:
+            from lightning_moe import DynamicContextParallel
+            dynamic_cp = DynamicContextParallel()
+            memory_callbacks.append(dynamic_cp)
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
                             strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
                             max_steps=steps + (2 if args.profile else 0),  # profiled after the timed window
@@ -390,6 +397,7 @@ def run_one(args, preset: str) -> dict:
            "dispatcher": cfg.dispatcher + ("_sync_free" if cfg.sync_free_dispatch else ""), "precision": precision, "fp32_main_params": trainer.strategy._main_params is not None or bool(
                getattr(trainer.strategy.sharded_optimizer, "main_fp32", False)),
            "devices": args.devices, "recompute": args.recompute, "pack_documents": args.pack_documents,
+           "dynamic_cp_choices": dict(dynamic_cp.choices) if dynamic_cp is not None else None,
            "offload_activations": args.offload_activations, "fp8": args.fp8, "fp8_format": args.fp8_format,
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
            "expert_rows_align": args.expert_rows_align, "fp8_param_gather": args.fp8_param_gather,
@@ -435,6 +443,7 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--no-fused-optimizer"] if args.no_fused_optimizer else []
         cmd += ["--no-expert-wgrad-fusion"] if args.no_expert_wgrad_fusion else []
         cmd += ["--pack-documents", "--doc-median", str(args.doc_median)] if args.pack_documents else []
+        cmd += ["--dynamic-cp"] if args.dynamic_cp else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
         cmd += ["--fp8-dispatch"] if args.fp8_dispatch else []
         cmd += ["--fp8-param-gather"] if args.fp8_param_gather else []
@@ -469,6 +478,8 @@ def main(argv=None) -> dict:
     p.add_argument("--pack-documents", action="store_true",
                    help="TokenDataModule(pack_documents=True): lognormal documents packed into rows, attention masked "
                         "to each document (MFU still counts causal attention over the whole row)")
+    p.add_argument("--dynamic-cp", action="store_true",
+                   help="lightning_moe.DynamicContextParallel(): the CP size per micro-batch (needs --pack-documents)")
     p.add_argument("--doc-median", type=float, default=4096.0, help="median document length with --pack-documents")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20; 3 with --smoke)")
     p.add_argument("--warmup-steps", type=int, default=None,

@@ -114,6 +114,18 @@ def test_bench_model_optimizer_options_smoke():
     assert r["host_bytes_per_param"] == pytest.approx((4 + 6 + 4) / 2)
 
 
+def test_bench_model_dynamic_cp_smoke():
+    """``--dynamic-cp`` over CP2 on 2 gloo ranks with packed documents: every micro-batch's CP size is recorded."""
+    res = _run("bench_model.py", "--devices", "2", "--cp", "2", "--batch", "2", "--pack-documents",
+               "--doc-median", "16", "--dynamic-cp", "--steps", "3", "--warmup-steps", "1")
+    (r,) = res["records"]
+    assert "error" not in r, r
+    assert r["pack_documents"] is True and "context_parallel_size=2" in r["strategy"]
+    choices = r["dynamic_cp_choices"]
+    assert set(choices) <= {"1", "2"} and sum(choices.values()) == 3, choices  # 3 steps of one micro-batch
+    assert _positive(r["tokens_per_sec"]) and r["losses_finite"] is True
+
+
 def test_kernel_breakdown_splits_compute_comm_idle(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     from common import kernel_breakdown, kernel_kind

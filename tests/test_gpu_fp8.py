@@ -127,6 +127,28 @@ def test_scaled_mm_linear_matches_emulation(recipe, fast):
     assert all(e < 1e-2 for e in errs), errs
 
 
+@hopper
+def test_scaled_mm_linear_unquantized_wgrad():
+    """``FP8Spec(fp8_wgrad=False)`` on the dense linear's kernels: forward and dgrad bit for bit as with the FP8 wgrad;
+    the weight gradient from the unquantized bf16 operands, fp32-accumulated (bf16 result: ~2^-9 of float64's), where
+    the FP8 one carries its quantization."""
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(2048, 1024, device="cuda", generator=g) * torch.logspace(-1, 1, 1024, device="cuda")).bfloat16()
+    w = (torch.randn(1536, 1024, device="cuda", generator=g) * 0.05).bfloat16()
+    dy = (torch.randn(2048, 1536, device="cuda", generator=g) * 1e-3).bfloat16()
+    out = []
+    for fp8_wgrad in (True, False):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xx, ww, FP8Spec("rowwise", fp8_wgrad=fp8_wgrad))
+        y.backward(dy)
+        out.append((y, xx.grad, ww.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    ref = dy.double().t() @ x.double()
+    rel = [((o[2].double() - ref).norm() / ref.norm()).item() for o in out]
+    assert rel[1] < 4e-3 and rel[0] > 2 * rel[1], rel
+
+
 def _model(callback, **overrides):
     from lightning_moe.modules.lm import MoELanguageModel
     lm = MoELanguageModel(preset="tiny", overrides={**OVR, **overrides})
