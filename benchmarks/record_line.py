@@ -1,6 +1,8 @@
 """One JSON line summarising a bench_model.py record, for the multi-GPU run scripts' models.jsonl.
 
-    python3 benchmarks/record_line.py RECORD.json RUN_NAME [--kernel-ms]
+    python3 benchmarks/record_line.py RECORD.json RUN_NAME [--kernel-ms] [--keys KEY,KEY,...]
+
+``--keys``: the record's fields to print instead of the default set (no per-rank breakdown then).
 """
 
 import json
@@ -18,6 +20,10 @@ def main(argv) -> None:
             r = json.load(f)["records"][0]
     except Exception as e:  # noqa: BLE001 - a crashed run still gets its line
         r = {"error": f"no record: {e}"}
+    if "--keys" in argv:
+        keys = argv[argv.index("--keys") + 1].split(",")
+        print(json.dumps({"run": name, **{k: r.get(k) for k in keys}}))
+        return
     out = {"run": name, **{k: r.get(k) for k in KEYS}}
     out["breakdown"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()
                          if k != "kernel_ms" or "--kernel-ms" in argv}

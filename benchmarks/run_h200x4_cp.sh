@@ -21,16 +21,8 @@ run() {  # name, then bench_model.py flags
   echo "$name rc=$?"
   # a rank stuck in a collective ignores SIGTERM (Lightning only flags it): clear leftovers before the next run
   pkill -9 -f benchmarks/bench_model.py; sleep 2
-  python3 - "/tmp/cp_$name.json" "$name" <<'PY' | tee -a "$OUT/cp.jsonl"
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))["records"][0]
-except Exception as e:  # a crashed run still gets its line
-    r = {"error": f"no record: {e}"}
-keys = ("seq_length", "micro_batch_size", "strategy", "pack_documents", "dynamic_cp_choices", "tokens_per_sec",
-        "step_time_median_s", "peak_mem_gib", "error")
-print(json.dumps({"run": sys.argv[2], **{k: r.get(k) for k in keys}}))
-PY
+  python3 benchmarks/record_line.py "/tmp/cp_$name.json" "$name" --keys seq_length,micro_batch_size,strategy,\
+pack_documents,dynamic_cp_choices,tokens_per_sec,step_time_median_s,peak_mem_gib,error | tee -a "$OUT/cp.jsonl"
 }
 P="--seq 65536 --pack-documents --doc-median 4096"
 run mixed_dynamic_cp4 $P --cp 4 --batch 4 --dynamic-cp

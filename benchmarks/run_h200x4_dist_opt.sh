@@ -17,16 +17,9 @@ run() {  # name, then bench_model.py flags; one log and one JSON-lines file (a d
     > "/tmp/dist_opt_$name.log" 2>&1
   echo "$name rc=$?"
   { echo "=== $name: $*"; cat "/tmp/dist_opt_$name.log"; } >> "$OUT/dist_opt.log"
-  python3 - "/tmp/dist_opt_$name.json" "$name" <<'PY' | tee -a "$OUT/dist_opt.jsonl"
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))["records"][0]
-except Exception as e:  # a crashed run still gets its line
-    r = {"error": f"no record: {e}"}
-keys = ("devices", "tokens_per_sec", "tflops_per_gpu", "mfu", "step_time_median_s", "optimizer_step_ms_median",
-        "static_mem_gib", "predicted_static_gib", "device_bytes_per_param", "peak_mem_gib", "error")
-print(json.dumps({"run": sys.argv[2], **{k: r.get(k) for k in keys}}))
-PY
+  python3 benchmarks/record_line.py "/tmp/dist_opt_$name.json" "$name" --keys devices,tokens_per_sec,tflops_per_gpu,\
+mfu,step_time_median_s,optimizer_step_ms_median,static_mem_gib,predicted_static_gib,device_bytes_per_param,\
+peak_mem_gib,error | tee -a "$OUT/dist_opt.jsonl"
 }
 run dp4_ep4 --devices 4 --ep 4
 run dp4_ep4_distopt --devices 4 --ep 4 --distributed-optimizer
