@@ -6,7 +6,7 @@
   blockwise  ``triton_fp8_wgrad`` with per-128-token scales, over a few tile configs
   rowwise    per-expert-and-feature scales: ``torch._scaled_grouped_mm`` (CUTLASS, bf16 out) then copied into main,
              against ``triton_fp8_wgrad`` (per-expert scales) into main, each with and without fast accumulation,
-             over the same tile configs
+             over the same tile configs; and its persistent kernel against the one-tile kernel, written and added
 
 Balanced routing. Prints JSON: median ms and TFLOP/s of each, and the rowwise kernels' relative difference.
 
@@ -46,6 +46,31 @@ def timed(fn, dev: torch.device, iters: int):
         return time_fn(fn, dev, iters, 2)["median_ms"]
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def persistent_rates(tw, main, a, b, offs, fast: bool, rate) -> dict:
+    """The persistent rowwise kernel against the one-tile kernel, both written (``first``) and added into ``main``
+    (the read-add-write of gradient accumulation), at one and two programs per SM: TFLOP/s, and whether the bits
+    match."""
+    sms = torch.cuda.get_device_properties(main.device).multi_processor_count
+    tag, out = ("fast" if fast else "precise"), {}
+    for first in (True, False):
+        mode = "written" if first else "added"
+        out[f"onetile_{tag}_{mode}"] = rate(lambda: tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast))
+        for c in (None, (128, 128, 8, 3), (128, 256, 8, 3)):
+            for per_sm in (1, 2):
+                name = f"persistent_{tag}_{mode}_{'x'.join(map(str, c)) if c else 'default'}_{per_sm}per_sm"
+                out[name] = rate(lambda c=c, per_sm=per_sm: tw.wgrad_into(
+                    main, a, b, offs, first, per_expert=True, fast=fast, config=c, persistent=True,
+                    programs=per_sm * sms))
+    try:
+        tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast)
+        ref = main.clone()
+        tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast, persistent=True)
+        out[f"persistent_{tag}_bits_equal"] = bool(torch.equal(main, ref))
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out[f"persistent_{tag}_bits_equal"] = f"{type(e).__name__}: {str(e)[:160]}"
+    return out
 
 
 def main() -> None:
@@ -116,6 +141,8 @@ def main() -> None:
                     rw[f"triton_{tag}_" + "x".join(map(str, c))] = rate(timed_(lambda c=c, fast=fast: tw.wgrad_into(
                         main, (xT, sx.reciprocal()), (dyT, sd.reciprocal()), offs, True, per_expert=True, fast=fast,
                         config=c)), flop)
+                rw.update(persistent_rates(tw, main, (xT, sx.reciprocal()), (dyT, sd.reciprocal()), offs, fast,
+                                           lambda fn: rate(timed_(fn), flop)))
             rec["rowwise"] = rw
             log(f"{name} {gemm}: {rec}")
             records.append(rec)

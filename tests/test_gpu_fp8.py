@@ -149,6 +149,34 @@ def test_scaled_mm_linear_unquantized_wgrad():
     assert rel[1] < 4e-3 and rel[0] > 2 * rel[1], rel
 
 
+@hopper
+@pytest.mark.parametrize("fast", [False, True])
+def test_persistent_fp8_wgrad_gives_the_one_tile_bits(fast):
+    """``triton_fp8_wgrad.wgrad_into(persistent=True)`` on E4M3 operands: the one-tile kernel's bits, written and added
+    into fp32 main grads, with an empty expert and uneven ones (multiples of 128 tokens, as the padded layout gives),
+    at one and two programs per SM and at a few programs (many tiles each)."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    g = torch.Generator(device="cuda").manual_seed(3)
+    L, K, N = 6, 512, 768
+    counts = torch.tensor([384, 0, 128, 1024, 256, 640], device="cuda")
+    offs = counts.cumsum(0).to(torch.int32)
+    P = int(counts.sum())
+    aT = (torch.randn(K, P, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn)
+    bT = (torch.randn(N, P, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn)
+    sa = torch.rand(L, K, device="cuda", generator=g) + 0.5
+    sb = torch.rand(L, N, device="cuda", generator=g) * 1e-3
+    start = torch.randn(L, K, N, device="cuda", generator=g)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for first in (True, False):
+        ref = start.clone()
+        tw.wgrad_into(ref, (aT, sa), (bT, sb), offs, first, per_expert=True, fast=fast)
+        for programs in (sms, 2 * sms, 5):
+            got = start.clone()
+            tw.wgrad_into(got, (aT, sa), (bT, sb), offs, first, per_expert=True, fast=fast, persistent=True,
+                          programs=programs)
+            assert torch.equal(got, ref), (first, programs)
+
+
 def _model(callback, **overrides):
     from lightning_moe.modules.lm import MoELanguageModel
     lm = MoELanguageModel(preset="tiny", overrides={**OVR, **overrides})

@@ -65,6 +65,67 @@ def _fp8_wgrad_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, K, N, A
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TB: tl.constexpr,
+             GROUP_K: tl.constexpr):
+    """Tile ``t`` of all experts' tiles: (expert, K tile, N tile, first token, 128-token blocks, steps). An expert
+    without tokens still takes one step, at token P, past the end (TMA fills it with zeros), for its epilogue. Past
+    the last tile (after a program's last epilogue) the values are unused: the expert index is clamped for the reads."""
+    per_e = tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
+    e = tl.minimum(t // per_e, L - 1)
+    pk, pn = grouped_tile(t % per_e, K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    nk = (tl.load(offs_ptr + e) - start) // TB
+    return e, pk, pn, tl.where(nk > 0, start, P), nk, tl.maximum(nk, 1)
+
+
+@triton.jit
+def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, K, N, L, P, ACC: tl.constexpr,
+                                 FAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TB: tl.constexpr,
+                                 GROUP_K: tl.constexpr, STAGES: tl.constexpr):
+    """The per-expert (rowwise) wgrad as one flat loop over this program's (tile, 128-token block) steps, tiles
+    strided by the number of programs: the loads of a tile's first blocks are issued by the software pipeline while
+    the previous tile's epilogue (scales, the fp32 read-add-write) runs, which the one-tile-per-program kernel leaves
+    to other resident programs. Same MMAs in the same order per tile: the same bits."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    tiles = L * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
+    steps = 0
+    for t in range(pid, tiles, programs):  # scalar pre-pass: this program's steps
+        steps += _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K, BLOCK_N, TB, GROUP_K)[5]
+    t = pid
+    e, pk, pn, start, nk, nsteps = _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K, BLOCK_N, TB, GROUP_K)
+    kk = 0
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for _ in tl.range(0, steps, num_stages=STAGES):
+        t0 = start + kk * TB
+        a = a_desc.load([pk * BLOCK_K, t0])
+        b = b_desc.load([pn * BLOCK_N, t0])
+        if FAST:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
+        kk += 1
+        if kk == nsteps:  # the tile's last block: its epilogue, then the next tile
+            rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+            rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+            sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
+            sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=rn < N, other=0.0)
+            res = acc * sa[:, None] * sb[None, :]
+            o_ptrs = out_ptr + e.to(tl.int64) * K * N + rk[:, None].to(tl.int64) * N + rn[None, :]
+            o_mask = (rk[:, None] < K) & (rn[None, :] < N)
+            # an empty expert: zeros written, or its values stored back as they were (its scales may be anything)
+            if ACC:
+                old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+                res = tl.where(nk > 0, res + old, old)
+            else:
+                res = tl.where(nk > 0, res, 0.0)
+            tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+            kk = 0
+            t += programs
+            e, pk, pn, start, nk, nsteps = _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K, BLOCK_N, TB, GROUP_K)
+
+
 # (BLOCK_K, BLOCK_N, warps, stages) per accumulation: the fastest of a sweep on one H100 at the Mixtral and Qwen3
 # expert shapes (``benchmarks/bench_fp8_wgrad.py``, docs/PERFORMANCE.md). Larger tiles spill once the per-block
 # promotion holds the block's product and the accumulator; the rowwise promotion runs best on one warpgroup.
@@ -77,12 +138,17 @@ def config_for(per_expert: bool, fast: bool) -> tuple:
 
 @torch.no_grad()
 def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, first: bool,
-               per_expert: bool = False, fast: bool = False, config: Optional[tuple] = None) -> None:
+               per_expert: bool = False, fast: bool = False, config: Optional[tuple] = None,
+               persistent: bool = False, programs: Optional[int] = None) -> None:
     """``out[l] = a_l^T b_l`` (``first``) or ``+=``, dequantized. ``a = (aT (K, P) E4M3, sa)``, ``b`` likewise with
     N; ``offs``: the experts' cumulative token ends, multiples of 128. The scales dequantize (the reciprocals of the
     quantization scales): (P / 128, K) per 128-token block (blockwise), or with ``per_expert`` (L, K) (rowwise;
     ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default
-    ``config_for``'s."""
+    ``config_for``'s. ``persistent`` (per expert only): ``programs`` programs (default: one per SM) each loop over
+    strided tiles, overlapping a tile's epilogue with the next tile's loads; the same bits. Not the default: it is
+    not yet measured against the one-tile kernel (``benchmarks/bench_fp8_wgrad.py --persistent``)."""
+    if persistent and not per_expert:
+        raise ValueError("FP8 wgrad: the persistent kernel takes per-expert (rowwise) scales only")
     (aT, sa), (bT, sb) = a, b
     L, K, N = out_LKN.shape
     P = aT.shape[1]
@@ -101,6 +167,14 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     bk, bn, warps, stages = config or config_for(per_expert, fast)
     da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
     db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
+    if persistent:
+        if programs is None:
+            programs = torch.cuda.get_device_properties(out_LKN.device).multi_processor_count \
+                if out_LKN.is_cuda else 4
+        _fp8_wgrad_persistent_kernel[(programs,)](
+            da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, offs_L.to(torch.int32), K, N, L, P,
+            ACC=not first, FAST=fast, BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+        return
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
     _fp8_wgrad_kernel[grid](da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,
                             offs_L.to(torch.int32), K, N, ACC=not first, PER_BLOCK=per_block, FAST=fast,

@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=6)
+    run_interpreted(__file__, timeout=600, passed=10)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -88,3 +88,24 @@ def test_accumulated_adds_and_skips_empty_experts(per_expert):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
     tw.wgrad_into(out, *empty, none, True, per_expert=per_expert)
     assert not out.any()
+
+
+@inside
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("programs", [3, 64])
+def test_persistent_gives_the_one_tile_kernels_bits(first, programs):
+    """The persistent kernel (3 programs: each loops over many tiles, the empty expert's among them; 64: more
+    programs than tiles) against the one-tile kernel: the same bits, the empty expert zeroed or left as it was."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    aT, sa, bT, sb, offs, counts = _case(True, seed=2)
+    sa[1], sb[1] = float("inf"), float("nan")  # an empty expert's scales can be anything
+    start = torch.randn(len(counts), aT.shape[0], bT.shape[0])
+    one, per = start.clone(), start.clone()
+    tw.wgrad_into(one, (aT, sa), (bT, sb), offs, first, per_expert=True, config=(32, 32, 4, 1))
+    tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, per_expert=True, config=(32, 32, 4, 1), persistent=True,
+                  programs=programs)
+    full = [0, 2, 3]
+    assert torch.equal(per[full], one[full])
+    assert torch.equal(per[1], torch.zeros_like(per[1]) if first else start[1])
+    with pytest.raises(ValueError, match="per-expert"):
+        tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, config=(32, 32, 4, 1), persistent=True)
