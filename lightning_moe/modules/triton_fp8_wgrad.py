@@ -97,6 +97,12 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
     kk = 0
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for _ in tl.range(0, steps, num_stages=STAGES):
+        # the next tile, in scalar code of its own ahead of the loads (as triton's loop flattening lays it out): the
+        # pipeline can compute the coming steps' coordinates without waiting for this tile's epilogue
+        if kk == nsteps:
+            t += programs
+            e, pk, pn, start, nk, nsteps = _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K, BLOCK_N, TB, GROUP_K)
+            kk = 0
         t0 = start + kk * TB
         a = a_desc.load([pk * BLOCK_K, t0])
         b = b_desc.load([pn * BLOCK_N, t0])
@@ -105,7 +111,7 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
         else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
         kk += 1
-        if kk == nsteps:  # the tile's last block: its epilogue, then the next tile
+        if kk == nsteps:  # the tile's last block: its epilogue
             rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
             rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
             sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
@@ -121,9 +127,6 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
                 res = tl.where(nk > 0, res, 0.0)
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
             acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-            kk = 0
-            t += programs
-            e, pk, pn, start, nk, nsteps = _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K, BLOCK_N, TB, GROUP_K)
 
 
 # (BLOCK_K, BLOCK_N, warps, stages) per accumulation: the fastest of a sweep on one H100 at the Mixtral and Qwen3
