@@ -17,6 +17,7 @@ to (a main grad over micro-batches, ``wgrad_fusion``), in its own dtype.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +28,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
 
 T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
+# which kernel the per-expert wgrad takes by default: "auto" the persistent one when adding into a main grad (where it
+# measured 1.0-1.25x the one-tile kernel on an H100) and the one-tile one when writing (where two resident one-tile
+# programs per SM overlap one's epilogue with the other's MMAs: 0.75-0.9x); "1" / "0" always / never, for comparisons
+PERSISTENT = os.environ.get("LMOE_FP8_WGRAD_PERSISTENT", "auto")
 
 
 @triton.jit
@@ -86,7 +91,8 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
     """The per-expert (rowwise) wgrad as one flat loop over this program's (tile, 128-token block) steps, tiles
     strided by the number of programs: the loads of a tile's first blocks are issued by the software pipeline while
     the previous tile's epilogue (scales, the fp32 read-add-write) runs, which the one-tile-per-program kernel leaves
-    to other resident programs. Same MMAs in the same order per tile: the same bits."""
+    to other resident programs. Same MMAs in the same order per tile: the same bits. That the loads stay pipelined is
+    checked on the CPU from the compiled IR (``tests/modules/test_triton_pipelining.py``)."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles = L * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
     steps = 0
@@ -104,14 +110,18 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
             e, pk, pn, start, nk, nsteps = _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K, BLOCK_N, TB, GROUP_K)
             kk = 0
         t0 = start + kk * TB
+        # the epilogue's condition apart from the step count: the next iteration's branch reads the count, which
+        # must not sink into the MMA's pipeline stage with the condition (a value carried back more than one stage
+        # keeps triton from pipelining the loop)
+        last = kk == nsteps - 1
+        kk += 1
         a = a_desc.load([pk * BLOCK_K, t0])
         b = b_desc.load([pn * BLOCK_N, t0])
         if FAST:
             acc = tl.dot(a, tl.trans(b), acc)
         else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
-        kk += 1
-        if kk == nsteps:  # the tile's last block: its epilogue
+        if last:  # the tile's last block: its epilogue
             rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
             rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
             sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
@@ -126,13 +136,22 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
             else:
                 res = tl.where(nk > 0, res, 0.0)
             tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc = tl.where(last, 0.0, acc)  # the reset as a select, as triton's own loop flattening writes it
 
 
 # (BLOCK_K, BLOCK_N, warps, stages) per accumulation: the fastest of a sweep on one H100 at the Mixtral and Qwen3
 # expert shapes (``benchmarks/bench_fp8_wgrad.py``, docs/PERFORMANCE.md). Larger tiles spill once the per-block
 # promotion holds the block's product and the accumulator; the rowwise promotion runs best on one warpgroup.
 CONFIGS = {"blockwise": (128, 128, 8, 4), "precise": (128, 128, 4, 3), "fast": (128, 128, 8, 3)}
+# the persistent kernel, both accumulations: two warpgroups and four stages (its one program per SM has the room)
+PERSISTENT_CONFIG = (128, 128, 8, 4)
+
+
+def use_persistent(per_expert: bool, first: bool) -> bool:
+    """The default kernel choice (``PERSISTENT``)."""
+    if PERSISTENT not in ("auto", "0", "1"):
+        raise ValueError(f"LMOE_FP8_WGRAD_PERSISTENT={PERSISTENT!r}: want auto, 1 or 0")
+    return per_expert and (PERSISTENT == "1" or (PERSISTENT == "auto" and not first))
 
 
 def config_for(per_expert: bool, fast: bool) -> tuple:
@@ -142,14 +161,16 @@ def config_for(per_expert: bool, fast: bool) -> tuple:
 @torch.no_grad()
 def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, first: bool,
                per_expert: bool = False, fast: bool = False, config: Optional[tuple] = None,
-               persistent: bool = False, programs: Optional[int] = None) -> None:
+               persistent: Optional[bool] = None, programs: Optional[int] = None) -> None:
     """``out[l] = a_l^T b_l`` (``first``) or ``+=``, dequantized. ``a = (aT (K, P) E4M3, sa)``, ``b`` likewise with
     N; ``offs``: the experts' cumulative token ends, multiples of 128. The scales dequantize (the reciprocals of the
     quantization scales): (P / 128, K) per 128-token block (blockwise), or with ``per_expert`` (L, K) (rowwise;
     ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default
-    ``config_for``'s. ``persistent`` (per expert only): ``programs`` programs (default: one per SM) each loop over
-    strided tiles, overlapping a tile's epilogue with the next tile's loads; the same bits. Not the default: it is
-    not yet measured against the one-tile kernel (``benchmarks/bench_fp8_wgrad.py --persistent``)."""
+    ``config_for``'s (``PERSISTENT_CONFIG`` for the persistent kernel). ``persistent`` (per expert only):
+    ``programs`` programs (default: one per SM) each loop over strided tiles, overlapping a tile's epilogue with the
+    next tile's loads; the same bits. ``None``: ``use_persistent``."""
+    if persistent is None:
+        persistent = use_persistent(per_expert, first)
     if persistent and not per_expert:
         raise ValueError("FP8 wgrad: the persistent kernel takes per-expert (rowwise) scales only")
     (aT, sa), (bT, sb) = a, b
@@ -167,7 +188,7 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
         if first:
             out_LKN.zero_()
         return
-    bk, bn, warps, stages = config or config_for(per_expert, fast)
+    bk, bn, warps, stages = config or (PERSISTENT_CONFIG if persistent else config_for(per_expert, fast))
     da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
     db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
     if persistent:

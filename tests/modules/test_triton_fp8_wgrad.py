@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=10)
+    run_interpreted(__file__, timeout=600, passed=11)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -101,7 +101,7 @@ def test_persistent_gives_the_one_tile_kernels_bits(first, programs):
     sa[1], sb[1] = float("inf"), float("nan")  # an empty expert's scales can be anything
     start = torch.randn(len(counts), aT.shape[0], bT.shape[0])
     one, per = start.clone(), start.clone()
-    tw.wgrad_into(one, (aT, sa), (bT, sb), offs, first, per_expert=True, config=(32, 32, 4, 1))
+    tw.wgrad_into(one, (aT, sa), (bT, sb), offs, first, per_expert=True, config=(32, 32, 4, 1), persistent=False)
     tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, per_expert=True, config=(32, 32, 4, 1), persistent=True,
                   programs=programs)
     full = [0, 2, 3]
@@ -109,3 +109,20 @@ def test_persistent_gives_the_one_tile_kernels_bits(first, programs):
     assert torch.equal(per[1], torch.zeros_like(per[1]) if first else start[1])
     with pytest.raises(ValueError, match="per-expert"):
         tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, config=(32, 32, 4, 1), persistent=True)
+
+
+@inside
+def test_default_kernel_choice(monkeypatch):
+    """By default the persistent kernel adds into main grads and the one-tile kernel writes; blockwise scales never
+    take it; LMOE_FP8_WGRAD_PERSISTENT forces either, and refuses anything else."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    assert tw.PERSISTENT == "auto"
+    assert tw.use_persistent(True, first=False) and not tw.use_persistent(True, first=True)
+    assert not tw.use_persistent(False, first=False)
+    monkeypatch.setattr(tw, "PERSISTENT", "1")
+    assert tw.use_persistent(True, first=True) and not tw.use_persistent(False, first=True)
+    monkeypatch.setattr(tw, "PERSISTENT", "0")
+    assert not tw.use_persistent(True, first=False)
+    monkeypatch.setattr(tw, "PERSISTENT", "yes")
+    with pytest.raises(ValueError, match="LMOE_FP8_WGRAD_PERSISTENT='yes'"):
+        tw.use_persistent(True, first=False)
