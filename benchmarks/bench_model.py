@@ -199,7 +199,7 @@ class StepTimer(L.Callback):
         sync(self.device)
         w, n = self.warmup_steps, len(self.stamps)
         per_step = [elapsed_ms(self.stamps[i - 1], self.stamps[i]) / 1e3 for i in range(max(w, 1), n)]
-        out = {"steps_run": n, "measured_steps": n - w,
+        out = {"steps_run": n, "measured_steps": n - w, "step_times_s": [round(t, 5) for t in per_step],
                "step_time_s": (self.wall[n] - self.wall[w]) / (n - w) if n in self.wall and w in self.wall else None,
                "step_time_median_s": statistics.median(per_step) if per_step else None,
                "step_time_min_s": min(per_step) if per_step else None,
@@ -208,6 +208,34 @@ class StepTimer(L.Callback):
         out.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
                    losses_finite=all(math.isfinite(x) for x in losses))
         return out
+
+
+class CPSizesPerStep(L.Callback):
+    """The CP sizes DynamicContextParallel chose in each optimizer step (after it, in the callback order)."""
+
+    def __init__(self, dynamic_cp):
+        self.dynamic_cp, self.seen, self.steps = dynamic_cp, {}, []
+        self.pending: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = dict(self.dynamic_cp.choices)
+        self.pending += [size for size, k in now.items() for _ in range(k - self.seen.get(size, 0))]
+        self.seen = now
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.steps.append(sorted(self.pending))
+            self.pending = []
+
+
+def warm_step_times(step_times: list, sizes_per_step: list, warmup: int) -> list:
+    """The timed steps (``step_times[i]`` ends step ``warmup + i + 1``) whose CP sizes all ran in an earlier step:
+    a size's first micro-batch compiles its attention and block-mask kernels (new shapes), a one-time cost."""
+    out = []
+    for i, t in enumerate(step_times):
+        step = max(warmup, 1) + i  # 0-based index of the step this time ends
+        earlier = {c for s in sizes_per_step[:step] for c in s}
+        if step < len(sizes_per_step) and set(sizes_per_step[step]) <= earlier:
+            out.append(t)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -343,7 +371,7 @@ def run_one(args, preset: str) -> dict:
         if args.dynamic_cp:
             from lightning_moe import DynamicContextParallel
             dynamic_cp = DynamicContextParallel()
-            memory_callbacks.append(dynamic_cp)
+            memory_callbacks += [dynamic_cp, CPSizesPerStep(dynamic_cp)]
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
                             strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
                             max_steps=steps + (2 if args.profile else 0),  # profiled after the timed window
@@ -359,6 +387,11 @@ def run_one(args, preset: str) -> dict:
         with stdout_to_stderr():
             trainer.fit(model, datamodule=data)
         rec = {**timer.summary(), **opt_timer.summary(), **optimizer_memory(model, trainer.strategy)}
+        if dynamic_cp is not None:  # the steady state: steps without a CP size's first (compiling) micro-batch
+            sizes = memory_callbacks[-1].steps
+            warm = warm_step_times(rec["step_times_s"], sizes, warmup)
+            rec.update(dynamic_cp_sizes_per_step=sizes, warm_steps=len(warm),
+                       step_time_median_warm_s=statistics.median(warm) if warm else None)
         pipe = timer.pipeline  # the last timed step's schedule on each pipeline rank
         if pipe:
             import torch.distributed as dist
@@ -414,6 +447,8 @@ def run_one(args, preset: str) -> dict:
            "mfu": tfl / DENSE_BF16_PEAK_TFLOPS if tfl else None, "mfu_peak_tflops": DENSE_BF16_PEAK_TFLOPS}
     if rec["step_time_median_s"]:
         rec["tokens_per_sec_median_step"] = tokens_per_step / rec["step_time_median_s"]
+    if rec.get("step_time_median_warm_s"):
+        rec["tokens_per_sec_median_warm_step"] = tokens_per_step / rec["step_time_median_warm_s"]
     return rec
 
 

@@ -6,7 +6,9 @@
 # One JSON line per run in $OUT/cp.jsonl, logs in $OUT/cp.log. Ask `status` first. The first try (2026-11-26, 4xH100,
 # 110 s per run) timed out in the first run, whose one stuck rank then held 52 GiB through the next runs: the runs now
 # get 240 s, SIGKILL 15 s after the timeout, and a sweep for leftovers. About 10 minutes in all: split it over two
-# calls with RUNS (default: all, in this order).
+# calls with RUNS (default: all, in this order). The second try (4xH100): the dynamic run finished its steps, then
+# its ranks did not exit (SIGKILLed). A third, with DynamicContextParallel destroying its NCCL sub-groups at
+# teardown, hung in the teardown instead, before the record was written (so that change was dropped).
 # Usage (repo root): OUT=dir bash benchmarks/run_h200x4_cp.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
@@ -22,10 +24,14 @@ run() {  # name, then bench_model.py flags
   # a rank stuck in a collective ignores SIGTERM (Lightning only flags it): clear leftovers before the next run
   pkill -9 -f benchmarks/bench_model.py; sleep 2
   python3 benchmarks/record_line.py "/tmp/cp_$name.json" "$name" --keys seq_length,micro_batch_size,strategy,\
-pack_documents,dynamic_cp_choices,tokens_per_sec,step_time_median_s,peak_mem_gib,error | tee -a "$OUT/cp.jsonl"
+pack_documents,dynamic_cp_choices,tokens_per_sec,step_time_median_s,step_time_median_warm_s,\
+tokens_per_sec_median_step,tokens_per_sec_median_warm_step,dynamic_cp_sizes_per_step,step_times_s,peak_mem_gib,error \
+    | tee -a "$OUT/cp.jsonl"
 }
 P="--seq 65536 --pack-documents --doc-median 4096"
-run mixed_dynamic_cp4 $P --cp 4 --batch 4 --dynamic-cp
+# each CP size's first micro-batch compiles FlexAttention for its shapes (about 20 s; the first try's median was 13 s
+# a step against 0.64 s static): more steps, and the median over steps whose sizes all ran before (*_warm_*)
+run mixed_dynamic_cp4 $P --cp 4 --batch 4 --dynamic-cp --steps ${DYN_STEPS:-16} --warmup-steps 4
 run mixed_static_cp4 $P --cp 4 --batch 4
 run mixed_static_cp1 $P --cp 1 --batch 1
 run mixed_static_cp2 $P --cp 2 --batch 2

@@ -124,6 +124,20 @@ def test_bench_model_dynamic_cp_smoke():
     choices = r["dynamic_cp_choices"]
     assert set(choices) <= {"1", "2"} and sum(choices.values()) == 3, choices  # 3 steps of one micro-batch
     assert _positive(r["tokens_per_sec"]) and r["losses_finite"] is True
+    sizes = r["dynamic_cp_sizes_per_step"]
+    assert len(sizes) == 3 and all(len(s) == 1 and s[0] in (1, 2) for s in sizes), sizes
+    assert len(r["step_times_s"]) == 2 and r["warm_steps"] <= 2
+
+
+def test_warm_step_times_drop_each_cp_sizes_first_step(monkeypatch):
+    """A step whose micro-batches include a CP size not seen in an earlier step (it compiles new shapes) is left out
+    of the steady-state median; the warm-up steps count as earlier."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from bench_model import warm_step_times
+    sizes = [[4], [4], [4], [1], [2], [4], [1, 2], [2, 4]]
+    times = [0.6, 25.0, 20.0, 0.7, 0.65, 0.8]  # steps 2..7 after 2 warm-up steps
+    assert warm_step_times(times, sizes, 2) == [0.6, 0.7, 0.65, 0.8]
+    assert warm_step_times(times[1:], sizes, 3) == [0.7, 0.65, 0.8]
 
 
 def test_kernel_breakdown_splits_compute_comm_idle(monkeypatch):
