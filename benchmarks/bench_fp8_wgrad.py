@@ -50,26 +50,29 @@ def timed(fn, dev: torch.device, iters: int):
 
 def persistent_rates(tw, main, a, b, offs, fast: bool, rate) -> dict:
     """The persistent rowwise kernel against the one-tile kernel, both written (``first``) and added into ``main``
-    (the read-add-write of gradient accumulation), one program per SM: TFLOP/s, and whether the bits
-    match."""
+    (the read-add-write of gradient accumulation), one program per SM, the output by pointers or by TMA: TFLOP/s,
+    and whether the bits match."""
     sms = torch.cuda.get_device_properties(main.device).multi_processor_count
     tag, out = ("fast" if fast else "precise"), {}
     for first in (True, False):
         mode = "written" if first else "added"
         out[f"onetile_{tag}_{mode}"] = rate(lambda: tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast,
                                                                    persistent=False))
-        # 1 program per SM: its pipeline buffers and the epilogue's layout scratch (64 KiB) leave no room for a second
+        # 1 program per SM: its pipeline buffers and the epilogue's 64 KiB tile in shared memory leave no room for more
         for c in (None, (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4)):
-            for per_sm in (1,):
-                name = f"persistent_{tag}_{mode}_{'x'.join(map(str, c)) if c else 'default'}_{per_sm}per_sm"
-                out[name] = rate(lambda c=c, per_sm=per_sm: tw.wgrad_into(
+            for tma_out in (False, True):  # the output tile by pointers, or by TMA
+                name = f"persistent_{tag}_{mode}_{'x'.join(map(str, c)) if c else 'default'}" + \
+                    ("_tma_out" if tma_out else "")
+                out[name] = rate(lambda c=c, tma_out=tma_out: tw.wgrad_into(
                     main, a, b, offs, first, per_expert=True, fast=fast, config=c, persistent=True,
-                    programs=per_sm * sms))
+                    programs=sms, tma_out=tma_out))
     try:
         tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast, persistent=False)
         ref = main.clone()
         tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast, persistent=True)
         out[f"persistent_{tag}_bits_equal"] = bool(torch.equal(main, ref))
+        tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast, persistent=True, tma_out=True)
+        out[f"persistent_{tag}_tma_out_bits_equal"] = bool(torch.equal(main, ref))
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         out[f"persistent_{tag}_bits_equal"] = f"{type(e).__name__}: {str(e)[:160]}"
     return out

@@ -154,7 +154,7 @@ def test_scaled_mm_linear_unquantized_wgrad():
 def test_persistent_fp8_wgrad_gives_the_one_tile_bits(fast):
     """``triton_fp8_wgrad.wgrad_into(persistent=True)`` on E4M3 operands: the one-tile kernel's bits, written and added
     into fp32 main grads, with an empty expert and uneven ones (multiples of 128 tokens, as the padded layout gives),
-    at one and two programs per SM and at a few programs (many tiles each)."""
+    at one and two programs per SM and at a few programs (many tiles each), its output by pointers or by TMA."""
     from lightning_moe.modules import triton_fp8_wgrad as tw
     g = torch.Generator(device="cuda").manual_seed(3)
     L, K, N = 6, 512, 768
@@ -170,11 +170,11 @@ def test_persistent_fp8_wgrad_gives_the_one_tile_bits(fast):
     for first in (True, False):
         ref = start.clone()
         tw.wgrad_into(ref, (aT, sa), (bT, sb), offs, first, per_expert=True, fast=fast, persistent=False)
-        for programs in (sms, 2 * sms, 5):
+        for programs, tma_out in ((sms, False), (2 * sms, False), (5, False), (sms, True), (5, True)):
             got = start.clone()
             tw.wgrad_into(got, (aT, sa), (bT, sb), offs, first, per_expert=True, fast=fast, persistent=True,
-                          programs=programs)
-            assert torch.equal(got, ref), (first, programs)
+                          programs=programs, tma_out=tma_out)
+            assert torch.equal(got, ref), (first, programs, tma_out)
 
 
 def _model(callback, **overrides):

@@ -85,14 +85,18 @@ def _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, K, N, L, P, ACC: tl.constexpr,
-                                 FAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TB: tl.constexpr,
-                                 GROUP_K: tl.constexpr, STAGES: tl.constexpr):
+def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, o_desc, offs_ptr, K, N, L, P,
+                                 ACC: tl.constexpr, FAST: tl.constexpr, TMA_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, TB: tl.constexpr, GROUP_K: tl.constexpr,
+                                 STAGES: tl.constexpr):
     """The per-expert (rowwise) wgrad as one flat loop over this program's (tile, 128-token block) steps, tiles
     strided by the number of programs: the loads of a tile's first blocks are issued by the software pipeline while
     the previous tile's epilogue (scales, the fp32 read-add-write) runs, which the one-tile-per-program kernel leaves
     to other resident programs. Same MMAs in the same order per tile: the same bits. That the loads stay pipelined is
-    checked on the CPU from the compiled IR (``tests/modules/test_triton_pipelining.py``)."""
+    checked on the CPU from the compiled IR (``tests/modules/test_triton_pipelining.py``). ``TMA_OUT``: the output
+    tile read and written by TMA through ``o_desc`` ((L, K, N), blocks of (1, BLOCK_K, BLOCK_N)) instead of pointers,
+    so the store is asynchronous and the accumulator's layout goes to shared memory once, not through two layout
+    conversions."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles = L * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
     steps = 0
@@ -121,7 +125,20 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
             acc = tl.dot(a, tl.trans(b), acc)
         else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
-        if last:  # the tile's last block: its epilogue
+        if last and TMA_OUT:  # the tile's last block: its epilogue, by TMA
+            rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+            rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+            sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
+            sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=rn < N, other=0.0)
+            res = acc * sa[:, None] * sb[None, :]
+            if ACC:
+                old = o_desc.load([e, pk * BLOCK_K, pn * BLOCK_N]).reshape(BLOCK_K, BLOCK_N).to(tl.float32)
+                res = tl.where(nk > 0, res + old, old)
+            else:
+                res = tl.where(nk > 0, res, 0.0)
+            o_desc.store([e, pk * BLOCK_K, pn * BLOCK_N],
+                         res.to(out_ptr.dtype.element_ty).reshape(1, BLOCK_K, BLOCK_N))
+        elif last:  # by pointers
             rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
             rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
             sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
@@ -145,6 +162,9 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_p
 CONFIGS = {"blockwise": (128, 128, 8, 4), "precise": (128, 128, 4, 3), "fast": (128, 128, 8, 3)}
 # the persistent kernel, both accumulations: two warpgroups and four stages (its one program per SM has the room)
 PERSISTENT_CONFIG = (128, 128, 8, 4)
+# with the output by TMA, adding takes two more 64 KiB tiles of shared memory (the old tile's load, the store): three
+# stages keep it within Hopper's 227 KiB (sm_90 compile: 229,416 bytes; four stages would need 262,184)
+TMA_OUT_CONFIG = (128, 128, 8, 3)
 
 
 def use_persistent(per_expert: bool, first: bool) -> bool:
@@ -161,18 +181,24 @@ def config_for(per_expert: bool, fast: bool) -> tuple:
 @torch.no_grad()
 def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, first: bool,
                per_expert: bool = False, fast: bool = False, config: Optional[tuple] = None,
-               persistent: Optional[bool] = None, programs: Optional[int] = None) -> None:
+               persistent: Optional[bool] = None, programs: Optional[int] = None, tma_out: bool = False) -> None:
     """``out[l] = a_l^T b_l`` (``first``) or ``+=``, dequantized. ``a = (aT (K, P) E4M3, sa)``, ``b`` likewise with
     N; ``offs``: the experts' cumulative token ends, multiples of 128. The scales dequantize (the reciprocals of the
     quantization scales): (P / 128, K) per 128-token block (blockwise), or with ``per_expert`` (L, K) (rowwise;
     ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default
     ``config_for``'s (``PERSISTENT_CONFIG`` for the persistent kernel). ``persistent`` (per expert only):
     ``programs`` programs (default: one per SM) each loop over strided tiles, overlapping a tile's epilogue with the
-    next tile's loads; the same bits. ``None``: ``use_persistent``."""
+    next tile's loads; the same bits. ``None``: ``use_persistent``. ``tma_out`` (persistent only; not yet timed on a
+    GPU, so not the default): the output tiles read and written by TMA, where ``out``'s rows are 16-byte aligned."""
     if persistent is None:
         persistent = use_persistent(per_expert, first)
     if persistent and not per_expert:
         raise ValueError("FP8 wgrad: the persistent kernel takes per-expert (rowwise) scales only")
+    if tma_out and not persistent:
+        raise ValueError("FP8 wgrad: tma_out is an option of the persistent kernel (persistent=True)")
+    if tma_out and ((out_LKN.shape[2] * out_LKN.element_size()) % 16 or out_LKN.data_ptr() % 16):
+        raise ValueError(f"FP8 wgrad: tma_out needs out's rows 16-byte aligned (N = {out_LKN.shape[2]} of "
+                         f"{out_LKN.dtype}, data at {out_LKN.data_ptr() % 16} mod 16); use tma_out=False")
     (aT, sa), (bT, sb) = a, b
     L, K, N = out_LKN.shape
     P = aT.shape[1]
@@ -188,16 +214,19 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
         if first:
             out_LKN.zero_()
         return
-    bk, bn, warps, stages = config or (PERSISTENT_CONFIG if persistent else config_for(per_expert, fast))
+    bk, bn, warps, stages = config or (TMA_OUT_CONFIG if tma_out else PERSISTENT_CONFIG if persistent
+                                       else config_for(per_expert, fast))
     da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
     db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
     if persistent:
         if programs is None:
             programs = torch.cuda.get_device_properties(out_LKN.device).multi_processor_count \
                 if out_LKN.is_cuda else 4
+        do = TensorDescriptor.from_tensor(out_LKN, [1, bk, bn]) if tma_out else out_LKN
         _fp8_wgrad_persistent_kernel[(programs,)](
-            da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, offs_L.to(torch.int32), K, N, L, P,
-            ACC=not first, FAST=fast, BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+            da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, do, offs_L.to(torch.int32), K, N, L,
+            P, ACC=not first, FAST=fast, TMA_OUT=tma_out, BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages,
+            num_warps=warps)
         return
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
     _fp8_wgrad_kernel[grid](da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,

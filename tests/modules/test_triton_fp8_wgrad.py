@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=11)
+    run_interpreted(__file__, timeout=600, passed=16)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -92,10 +92,12 @@ def test_accumulated_adds_and_skips_empty_experts(per_expert):
 
 @inside
 @pytest.mark.parametrize("first", [True, False])
-@pytest.mark.parametrize("programs", [3, 64])
-def test_persistent_gives_the_one_tile_kernels_bits(first, programs):
+@pytest.mark.parametrize("programs,tma_out", [(3, False), (64, False), (3, True), (64, True)])
+def test_persistent_gives_the_one_tile_kernels_bits(first, programs, tma_out):
     """The persistent kernel (3 programs: each loops over many tiles, the empty expert's among them; 64: more
-    programs than tiles) against the one-tile kernel: the same bits, the empty expert zeroed or left as it was."""
+    programs than tiles), its output by pointers or by TMA (K = 48 over tiles of 32: a tile past an expert's last row,
+    which TMA must clip, not write into the next expert's), against the one-tile kernel: the same bits, the empty
+    expert zeroed or left as it was."""
     from lightning_moe.modules import triton_fp8_wgrad as tw
     aT, sa, bT, sb, offs, counts = _case(True, seed=2)
     sa[1], sb[1] = float("inf"), float("nan")  # an empty expert's scales can be anything
@@ -103,12 +105,25 @@ def test_persistent_gives_the_one_tile_kernels_bits(first, programs):
     one, per = start.clone(), start.clone()
     tw.wgrad_into(one, (aT, sa), (bT, sb), offs, first, per_expert=True, config=(32, 32, 4, 1), persistent=False)
     tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, per_expert=True, config=(32, 32, 4, 1), persistent=True,
-                  programs=programs)
+                  programs=programs, tma_out=tma_out)
     full = [0, 2, 3]
     assert torch.equal(per[full], one[full])
     assert torch.equal(per[1], torch.zeros_like(per[1]) if first else start[1])
     with pytest.raises(ValueError, match="per-expert"):
         tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, config=(32, 32, 4, 1), persistent=True)
+
+
+@inside
+def test_tma_out_refusals():
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    aT, sa, bT, sb, offs, counts = _case(True, seed=2)
+    out = torch.zeros(len(counts), aT.shape[0], bT.shape[0])
+    with pytest.raises(ValueError, match="option of the persistent kernel"):
+        tw.wgrad_into(out, (aT, sa), (bT, sb), offs, True, per_expert=True, persistent=False, tma_out=True)
+    odd = torch.zeros(len(counts), aT.shape[0], 3)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tw.wgrad_into(odd, (aT, sa), (bT[:3], sb[:, :3]), offs, True, per_expert=True, persistent=True,
+                      tma_out=True)
 
 
 @inside

@@ -14,7 +14,8 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles, not interprets")
 
 
-def _ttgir(kernel, persistent: bool, stages: int, warps: int, fast: bool, acc: bool) -> str:
+def _ttgir(kernel, persistent: bool, stages: int, warps: int, fast: bool, acc: bool, tma_out: bool = False,
+           full: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     desc = "tensordesc<fp8e4nv[128, 128]>"
@@ -22,7 +23,10 @@ def _ttgir(kernel, persistent: bool, stages: int, warps: int, fast: bool, acc: b
            "offs_ptr": "*i32", "K": "i32", "N": "i32"}
     const = {"ACC": acc, "FAST": fast, "BLOCK_K": 128, "BLOCK_N": 128, "TB": 128, "GROUP_K": 8, "STAGES": stages}
     if persistent:
-        sig.update(L="i32", P="i32")
+        sig = {**{k: v for k, v in sig.items() if k != "offs_ptr"},
+               "o_desc": "tensordesc<fp32[1, 128, 128]>" if tma_out else "*fp32", "offs_ptr": "*i32"}
+        sig.update(K="i32", N="i32", L="i32", P="i32")
+        const["TMA_OUT"] = tma_out
     else:
         const["PER_BLOCK"] = False
     sig.update({k: "constexpr" for k in const})
@@ -31,7 +35,7 @@ def _ttgir(kernel, persistent: bool, stages: int, warps: int, fast: bool, acc: b
                                   options={"num_warps": warps, "num_stages": stages})
     except Exception as e:  # noqa: BLE001 - a triton without the NVIDIA backend or its tools
         pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
-    return compiled.asm["ttgir"]
+    return (compiled, compiled.asm["ttgir"]) if full else compiled.asm["ttgir"]
 
 
 @pytest.mark.parametrize("stages,warps", [(3, 8), (4, 8), (4, 4)])
@@ -41,6 +45,18 @@ def test_persistent_wgrad_is_pipelined(stages, warps, fast, acc):
     from lightning_moe.modules import triton_fp8_wgrad as tw
     ir = _ttgir(tw._fp8_wgrad_persistent_kernel, True, stages, warps, fast, acc)
     assert ir.count("ttng.async_tma_copy_global_to_local") == 2 * stages
+
+
+@pytest.mark.parametrize("acc", [False, True])
+def test_persistent_wgrad_with_tma_out_is_pipelined(acc):
+    """With the output tile by TMA: the operands' copies pipelined as before, plus the old tile's one (adding)."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    bk, bn, warps, stages = tw.TMA_OUT_CONFIG
+    compiled, ir = _ttgir(tw._fp8_wgrad_persistent_kernel, True, stages, warps, True, acc, tma_out=True,
+                          full=True)
+    assert ir.count("ttng.async_tma_copy_global_to_local") == 2 * stages + acc
+    assert "async_tma_copy_local_to_global" in ir
+    assert compiled.metadata.shared <= 232448  # fits Hopper's shared memory per block
 
 
 def test_one_tile_wgrad_is_pipelined():
