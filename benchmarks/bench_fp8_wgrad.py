@@ -66,15 +66,20 @@ def persistent_rates(tw, main, a, b, offs, fast: bool, rate) -> dict:
                 out[name] = rate(lambda c=c, tma_out=tma_out: tw.wgrad_into(
                     main, a, b, offs, first, per_expert=True, fast=fast, config=c, persistent=True,
                     programs=sms, tma_out=tma_out))
-    try:
-        tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast, persistent=False)
+    start = main.clone()
+    for first in (True, False):  # written, and added into the same start
+        mode = "written" if first else "added"
+        main.copy_(start)
+        tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast, persistent=False)
         ref = main.clone()
-        tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast, persistent=True)
-        out[f"persistent_{tag}_bits_equal"] = bool(torch.equal(main, ref))
-        tw.wgrad_into(main, a, b, offs, True, per_expert=True, fast=fast, persistent=True, tma_out=True)
-        out[f"persistent_{tag}_tma_out_bits_equal"] = bool(torch.equal(main, ref))
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        out[f"persistent_{tag}_bits_equal"] = f"{type(e).__name__}: {str(e)[:160]}"
+        for tma_out in (False, True):
+            key = f"persistent_{tag}_{mode}{'_tma_out' if tma_out else ''}_bits_equal"
+            try:
+                main.copy_(start)
+                tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast, persistent=True, tma_out=tma_out)
+                out[key] = bool(torch.equal(main, ref))
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                out[key] = f"{type(e).__name__}: {str(e)[:160]}"
     return out
 
 

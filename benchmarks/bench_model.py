@@ -211,7 +211,8 @@ class StepTimer(L.Callback):
 
 
 class CPSizesPerStep(L.Callback):
-    """The CP sizes DynamicContextParallel chose in each optimizer step (after it, in the callback order)."""
+    """The CP sizes DynamicContextParallel chose in each optimizer step (after it, in the callback order; steps
+    counted as StepTimer counts them)."""
 
     def __init__(self, dynamic_cp):
         self.dynamic_cp, self.seen, self.steps = dynamic_cp, {}, []
@@ -367,11 +368,12 @@ def run_one(args, preset: str) -> dict:
         if args.nvfp4:
             from lightning_moe import NVFP4Training
             memory_callbacks.append(NVFP4Training())
-        dynamic_cp = None
+        dynamic_cp = cp_sizes = None
         if args.dynamic_cp:
             from lightning_moe import DynamicContextParallel
             dynamic_cp = DynamicContextParallel()
-            memory_callbacks += [dynamic_cp, CPSizesPerStep(dynamic_cp)]
+            cp_sizes = CPSizesPerStep(dynamic_cp)
+            memory_callbacks += [dynamic_cp, cp_sizes]
         trainer = L.Trainer(accelerator="cpu" if device.type == "cpu" else "gpu", devices=args.devices,
                             strategy=MoEFoldStrategy(**strategy_kwargs(args)), precision=precision,
                             max_steps=steps + (2 if args.profile else 0),  # profiled after the timed window
@@ -388,7 +390,12 @@ def run_one(args, preset: str) -> dict:
             trainer.fit(model, datamodule=data)
         rec = {**timer.summary(), **opt_timer.summary(), **optimizer_memory(model, trainer.strategy)}
         if dynamic_cp is not None:  # the steady state: steps without a CP size's first (compiling) micro-batch
-            sizes = memory_callbacks[-1].steps
+            sizes = cp_sizes.steps
+            if args.devices > 1:  # every rank's sizes: a step is warm only where no data-parallel replica compiled
+                import torch.distributed as dist
+                per_rank = [None] * dist.get_world_size()
+                dist.all_gather_object(per_rank, sizes)
+                sizes = [sorted({c for r in per_rank for c in r[i]}) for i in range(len(sizes))]
             warm = warm_step_times(rec["step_times_s"], sizes, warmup)
             rec.update(dynamic_cp_sizes_per_step=sizes, warm_steps=len(warm),
                        step_time_median_warm_s=statistics.median(warm) if warm else None)

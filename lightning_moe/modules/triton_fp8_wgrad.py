@@ -125,35 +125,33 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, o_desc
             acc = tl.dot(a, tl.trans(b), acc)
         else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
-        if last and TMA_OUT:  # the tile's last block: its epilogue, by TMA
+        # the tile's last block: its epilogue, then the accumulator's reset inside the branch (a reset by a select in
+        # every step makes each step wait for its MMA, where the branch lets one MMA stay in flight across steps)
+        if last:
             rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
             rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
             sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
             sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=rn < N, other=0.0)
             res = acc * sa[:, None] * sb[None, :]
-            if ACC:
-                old = o_desc.load([e, pk * BLOCK_K, pn * BLOCK_N]).reshape(BLOCK_K, BLOCK_N).to(tl.float32)
-                res = tl.where(nk > 0, res + old, old)
-            else:
-                res = tl.where(nk > 0, res, 0.0)
-            o_desc.store([e, pk * BLOCK_K, pn * BLOCK_N],
-                         res.to(out_ptr.dtype.element_ty).reshape(1, BLOCK_K, BLOCK_N))
-        elif last:  # by pointers
-            rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
-            rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-            sa = tl.load(sa_ptr + e.to(tl.int64) * K + rk, mask=rk < K, other=0.0)
-            sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=rn < N, other=0.0)
-            res = acc * sa[:, None] * sb[None, :]
-            o_ptrs = out_ptr + e.to(tl.int64) * K * N + rk[:, None].to(tl.int64) * N + rn[None, :]
-            o_mask = (rk[:, None] < K) & (rn[None, :] < N)
             # an empty expert: zeros written, or its values stored back as they were (its scales may be anything)
-            if ACC:
-                old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-                res = tl.where(nk > 0, res + old, old)
+            if TMA_OUT:  # TMA clips the tile at the expert's last row and column
+                if ACC:
+                    old = o_desc.load([e, pk * BLOCK_K, pn * BLOCK_N]).reshape(BLOCK_K, BLOCK_N).to(tl.float32)
+                    res = tl.where(nk > 0, res + old, old)
+                else:
+                    res = tl.where(nk > 0, res, 0.0)
+                o_desc.store([e, pk * BLOCK_K, pn * BLOCK_N],
+                             res.to(out_ptr.dtype.element_ty).reshape(1, BLOCK_K, BLOCK_N))
             else:
-                res = tl.where(nk > 0, res, 0.0)
-            tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-        acc = tl.where(last, 0.0, acc)  # the reset as a select, as triton's own loop flattening writes it
+                o_ptrs = out_ptr + e.to(tl.int64) * K * N + rk[:, None].to(tl.int64) * N + rn[None, :]
+                o_mask = (rk[:, None] < K) & (rn[None, :] < N)
+                if ACC:
+                    old = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+                    res = tl.where(nk > 0, res + old, old)
+                else:
+                    res = tl.where(nk > 0, res, 0.0)
+                tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
 
 
 # (BLOCK_K, BLOCK_N, warps, stages) per accumulation: the fastest of a sweep on one H100 at the Mixtral and Qwen3
@@ -168,10 +166,12 @@ TMA_OUT_CONFIG = (128, 128, 8, 3)
 
 
 def use_persistent(per_expert: bool, first: bool) -> bool:
-    """The default kernel choice (``PERSISTENT``)."""
+    """The default kernel choice (``PERSISTENT``; per-128-token-block scales have only the one-tile kernel)."""
+    if not per_expert:
+        return False
     if PERSISTENT not in ("auto", "0", "1"):
         raise ValueError(f"LMOE_FP8_WGRAD_PERSISTENT={PERSISTENT!r}: want auto, 1 or 0")
-    return per_expert and (PERSISTENT == "1" or (PERSISTENT == "auto" and not first))
+    return PERSISTENT == "1" or (PERSISTENT == "auto" and not first)
 
 
 def config_for(per_expert: bool, fast: bool) -> tuple:
@@ -188,18 +188,18 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default
     ``config_for``'s (``PERSISTENT_CONFIG`` for the persistent kernel). ``persistent`` (per expert only):
     ``programs`` programs (default: one per SM) each loop over strided tiles, overlapping a tile's epilogue with the
-    next tile's loads; the same bits. ``None``: ``use_persistent``. ``tma_out`` (persistent only; not yet timed on a
-    GPU, so not the default): the output tiles read and written by TMA, where ``out``'s rows are 16-byte aligned."""
+    next tile's loads; the same bits. ``None``: ``use_persistent`` (``tma_out`` implies it). ``tma_out`` (persistent
+    only; not yet timed on a GPU, so not the default): the output tiles read and written by TMA, where ``out``'s rows
+    are 16-byte aligned."""
     if persistent is None:
-        persistent = use_persistent(per_expert, first)
+        persistent = tma_out or use_persistent(per_expert, first)
     if persistent and not per_expert:
         raise ValueError("FP8 wgrad: the persistent kernel takes per-expert (rowwise) scales only")
     if tma_out and not persistent:
         raise ValueError("FP8 wgrad: tma_out is an option of the persistent kernel (persistent=True)")
-    if tma_out and ((out_LKN.shape[2] * out_LKN.element_size()) % 16 or out_LKN.data_ptr() % 16):
-        raise ValueError(f"FP8 wgrad: tma_out needs out's rows 16-byte aligned (N = {out_LKN.shape[2]} of "
-                         f"{out_LKN.dtype}, data at {out_LKN.data_ptr() % 16} mod 16); use tma_out=False")
     (aT, sa), (bT, sb) = a, b
+    if out_LKN.dim() != 3:
+        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)}: want (L, K, N), one (K, N) gradient per expert")
     L, K, N = out_LKN.shape
     P = aT.shape[1]
     per_block = not per_expert
@@ -210,6 +210,9 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
                          f"{tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}: want (L, K, N), (K, P), "
                          f"(N, P) with P a multiple of {T}, and scales per 128-token block ((P / {T}, K), "
                          f"(P / {T}, N)) or per expert ((L, K), (L, N))")
+    if tma_out and ((N * out_LKN.element_size()) % 16 or out_LKN.data_ptr() % 16):
+        raise ValueError(f"FP8 wgrad: tma_out needs out's rows 16-byte aligned (N = {N} of {out_LKN.dtype}, data "
+                         f"at {out_LKN.data_ptr() % 16} mod 16); use tma_out=False")
     if P == 0 or L == 0:  # no tokens here (a rank that got none): nothing to add, zeros to write
         if first:
             out_LKN.zero_()
