@@ -223,3 +223,20 @@ def test_bench_router_smoke():
         for bench in ("router", "permute", "permute_fp8", "resort"):
             assert _positive(row[bench]["fused_ms"]) and _positive(row[bench]["unfused_ms"])
             assert _positive(row[bench]["ratio"])
+
+
+def test_cp_block_efficiency_counts(monkeypatch):
+    """``cp_block_efficiency.py``: one causal document of two blocks has one full and two partial (diagonal) blocks;
+    over the ranks of packed CP the allowed pairs add up to one process's, whatever the chunks."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import numpy as np
+    import torch
+    from cp_block_efficiency import block_counts, packed_row, rank_counts
+    doc = torch.zeros(256, dtype=torch.long)
+    pos = torch.arange(256)
+    c = block_counts(doc, pos, doc, pos)
+    assert (c["full_blocks"], c["partial_blocks"], c["allowed_pairs"]) == (1, 2, 256 * 257 // 2)
+    row = packed_row(np.random.default_rng(0), 2048, 200.0, 8)
+    assert row.numel() == 2048 and (torch.unique_consecutive(row, return_counts=True)[1] % 8 == 0).all()
+    one = rank_counts(row, 1, 0)["allowed_pairs"]
+    assert sum(rank_counts(row, 4, r)["allowed_pairs"] for r in range(4)) == one
