@@ -29,8 +29,9 @@ from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
 
 T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
 # which kernel the per-expert wgrad takes by default: "auto" the persistent one when adding into a main grad (where it
-# measured 1.0-1.25x the one-tile kernel on an H100) and the one-tile one when writing (where two resident one-tile
-# programs per SM overlap one's epilogue with the other's MMAs: 0.75-0.9x); "1" / "0" always / never, for comparisons
+# measured 1.0-1.25x the one-tile kernel on an H100, before its reset moved into the epilogue: docs/PERFORMANCE.md)
+# and the one-tile one when writing (where two resident one-tile programs per SM overlap one's epilogue with the
+# other's MMAs: 0.72-0.90x); "1" / "0" always / never, for comparisons
 PERSISTENT = os.environ.get("LMOE_FP8_WGRAD_PERSISTENT", "auto")
 
 
