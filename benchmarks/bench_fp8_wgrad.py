@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from common import emit, env_info, log, time_fn
 
 # name: (experts, routed rows, hidden, ffn) as bench_layer's blocks (mixtral T=8192 top-2, qwen3 and olmoe T=16384
-# top-8, deepseek-v3-ep8 T=2048 top-8 over 32 local experts)
+# top-8, deepseek-v3-ep8 T=2048 top-8 over 32 local experts), and as bench_model's micro-batches (mixtral-b1: one
+# sequence of 4,096 tokens, 1,024 per expert; qwen3-b2: two, 512 per expert)
 SHAPES = {"mixtral": (8, 8192 * 2, 4096, 14336), "qwen3": (128, 16384 * 8, 2048, 768),
-          "olmoe": (64, 16384 * 8, 2048, 1024), "deepseek-v3-ep8": (32, 2048 * 8, 7168, 2048)}
+          "olmoe": (64, 16384 * 8, 2048, 1024), "deepseek-v3-ep8": (32, 2048 * 8, 7168, 2048),
+          "mixtral-b1": (8, 4096 * 2, 4096, 14336), "qwen3-b2": (128, 8192 * 8, 2048, 768)}
 # (BLOCK_K, BLOCK_N, warps, stages)
 CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 4), (128, 256, 8, 3), (256, 128, 8, 4),
            (128, 256, 16, 3), (128, 128, 4, 3)]
@@ -48,35 +50,42 @@ def timed(fn, dev: torch.device, iters: int):
         return f"{type(e).__name__}: {str(e)[:160]}"
 
 
+# the persistent kernel's sweep: (config, programs per SM, output by TMA). 128 x 128 tiles leave room for one program
+# per SM (its pipeline buffers and the epilogue's 64 KiB layout scratch); the narrower tiles for two, so that one
+# program's MMAs run while the other's epilogue reads, adds and writes (sm_90 compiles on the CPU: 90-115 KiB of
+# shared memory, no spills)
+PERSISTENT_SWEEP = [(None, 1, False), (None, 1, True), ((128, 64, 4, 3), 2, False), ((128, 64, 8, 3), 2, False),
+                    ((64, 128, 4, 3), 2, False), ((128, 64, 4, 4), 2, False)]
+
+
 def persistent_rates(tw, main, a, b, offs, fast: bool, rate) -> dict:
     """The persistent rowwise kernel against the one-tile kernel, both written (``first``) and added into ``main``
-    (the read-add-write of gradient accumulation), one program per SM, the output by pointers or by TMA: TFLOP/s,
-    and whether the bits match."""
+    (the read-add-write of gradient accumulation), over ``PERSISTENT_SWEEP``: TFLOP/s, and whether the bits match."""
     sms = torch.cuda.get_device_properties(main.device).multi_processor_count
     tag, out = ("fast" if fast else "precise"), {}
     for first in (True, False):
         mode = "written" if first else "added"
         out[f"onetile_{tag}_{mode}"] = rate(lambda: tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast,
                                                                    persistent=False))
-        # 1 program per SM: its pipeline buffers and the epilogue's 64 KiB tile in shared memory leave no room for more
-        for c in (None, (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4)):
-            for tma_out in (False, True):  # the output tile by pointers, or by TMA
-                name = f"persistent_{tag}_{mode}_{'x'.join(map(str, c)) if c else 'default'}" + \
-                    ("_tma_out" if tma_out else "")
-                out[name] = rate(lambda c=c, tma_out=tma_out: tw.wgrad_into(
-                    main, a, b, offs, first, per_expert=True, fast=fast, config=c, persistent=True,
-                    programs=sms, tma_out=tma_out))
+        for c, per_sm, tma_out in PERSISTENT_SWEEP:
+            name = f"persistent_{tag}_{mode}_{'x'.join(map(str, c)) if c else 'default'}" + \
+                (f"_{per_sm}per_sm" if per_sm > 1 else "") + ("_tma_out" if tma_out else "")
+            out[name] = rate(lambda c=c, tma_out=tma_out, n=per_sm * sms: tw.wgrad_into(
+                main, a, b, offs, first, per_expert=True, fast=fast, config=c, persistent=True, programs=n,
+                tma_out=tma_out))
     start = main.clone()
     for first in (True, False):  # written, and added into the same start
         mode = "written" if first else "added"
         main.copy_(start)
         tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast, persistent=False)
         ref = main.clone()
-        for tma_out in (False, True):
-            key = f"persistent_{tag}_{mode}{'_tma_out' if tma_out else ''}_bits_equal"
+        for c, per_sm, tma_out in PERSISTENT_SWEEP:
+            key = f"persistent_{tag}_{mode}_{'x'.join(map(str, c)) if c else 'default'}" + \
+                ("_tma_out" if tma_out else "") + "_bits_equal"
             try:
                 main.copy_(start)
-                tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast, persistent=True, tma_out=tma_out)
+                tw.wgrad_into(main, a, b, offs, first, per_expert=True, fast=fast, config=c, persistent=True,
+                              programs=per_sm * sms, tma_out=tma_out)
                 out[key] = bool(torch.equal(main, ref))
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 out[key] = f"{type(e).__name__}: {str(e)[:160]}"

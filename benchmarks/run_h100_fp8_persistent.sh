@@ -5,7 +5,9 @@
 # one-tile and the persistent wgrad (LMOE_FP8_WGRAD_PERSISTENT=0/1), each against bf16 in its own run; "model": FP8
 # rowwise models (gradient accumulation, so the wgrad adds into main grads) with the one-tile kernel everywhere
 # (LMOE_FP8_WGRAD_PERSISTENT=0) against the default (persistent where adding), alternating.
-# Usage (repo root): OUT=dir bash benchmarks/run_h100_fp8_persistent.sh [tests] [wgrad] [layer] [model]
+# "profile": mixtral-8x7b 2 layers in bf16 and FP8 rowwise (the default kernels), each with bench_model.py's kernel
+# table of two optimizer steps, to see where the model's time goes beside the expert blocks.
+# Usage (repo root): OUT=dir bash benchmarks/run_h100_fp8_persistent.sh [tests] [wgrad] [layer] [model] [profile]
 set -uo pipefail
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -23,7 +25,8 @@ wgrad)
 import json, sys
 for r in json.load(open(sys.argv[1]))["records"]:
     rw = r.get("rowwise", {})
-    print(r.get("shape"), r.get("gemm"), {k: v for k, v in rw.items() if k.startswith(("onetile", "persistent"))})
+    print(r.get("shape"), r.get("gemm"), {k: v[1] if isinstance(v, list) else v for k, v in rw.items()
+                                          if k.startswith(("onetile", "persistent"))})
 PY
   ;;
 layer)
@@ -52,5 +55,15 @@ model)
     python3 benchmarks/record_line.py /tmp/m.json "$v" --keys tokens_per_sec,tflops_per_gpu,mfu,step_time_median_s,\
 peak_mem_gib,error | tee -a "$OUT/model.jsonl"
     rm -f /tmp/m.json
+  done ;;
+profile)
+  for prec in bf16 fp8; do
+    f=""; [ $prec = fp8 ] && f="--fp8 rowwise"
+    timeout -k 10 ${MODEL_S:-120} python3 benchmarks/bench_model.py --preset mixtral-8x7b --batch 1 --accumulate 4 \
+      --steps 3 --warmup-steps 1 $f --profile "$OUT/prof_$prec.txt" --out "/tmp/p.json" > "$OUT/prof_$prec.log" 2>&1
+    echo "profile $prec rc=$?"
+    python3 benchmarks/record_line.py /tmp/p.json "$prec" --keys tflops_per_gpu,step_time_median_s,error
+    python3 -c "import json,sys; r=json.load(open('/tmp/p.json')); print(json.dumps(r.get('time_breakdown_per_rank'))[:1500])"
+    rm -f /tmp/p.json
   done ;;
 esac; done

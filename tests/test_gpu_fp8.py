@@ -154,7 +154,9 @@ def test_scaled_mm_linear_unquantized_wgrad():
 def test_persistent_fp8_wgrad_gives_the_one_tile_bits(fast):
     """``triton_fp8_wgrad.wgrad_into(persistent=True)`` on E4M3 operands: the one-tile kernel's bits, written and added
     into fp32 main grads, with an empty expert and uneven ones (multiples of 128 tokens, as the padded layout gives),
-    at one and two programs per SM and at a few programs (many tiles each), its output by pointers or by TMA."""
+    at one and two programs per SM and at a few programs (many tiles each), both default configs (128 x 128 tiles, and
+    64 x 128 at two programs per SM, which this shape's 512 tokens per expert take by default), its output by pointers
+    or by TMA."""
     from lightning_moe.modules import triton_fp8_wgrad as tw
     g = torch.Generator(device="cuda").manual_seed(3)
     L, K, N = 6, 320, 704  # partial 128-wide tiles in both dims: the pointer masks, TMA's clipping
@@ -170,11 +172,14 @@ def test_persistent_fp8_wgrad_gives_the_one_tile_bits(fast):
     for first in (True, False):
         ref = start.clone()
         tw.wgrad_into(ref, (aT, sa), (bT, sb), offs, first, per_expert=True, fast=fast, persistent=False)
-        for programs, tma_out in ((sms, False), (2 * sms, False), (5, False), (sms, True), (5, True)):
+        for config, programs, tma_out in ((None, None, False), (tw.PERSISTENT_CONFIG, sms, False),
+                                          (tw.PERSISTENT_CONFIG, 2 * sms, False), (tw.PERSISTENT_CONFIG, 5, False),
+                                          (tw.PERSISTENT_NARROW_CONFIG, 2 * sms, False),
+                                          (tw.PERSISTENT_NARROW_CONFIG, 5, False), (None, sms, True), (None, 5, True)):
             got = start.clone()
             tw.wgrad_into(got, (aT, sa), (bT, sb), offs, first, per_expert=True, fast=fast, persistent=True,
-                          programs=programs, tma_out=tma_out)
-            assert torch.equal(got, ref), (first, programs, tma_out)
+                          config=config, programs=programs, tma_out=tma_out)
+            assert torch.equal(got, ref), (first, config, programs, tma_out)
 
 
 def _model(callback, **overrides):

@@ -29,9 +29,9 @@ from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
 
 T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
 # which kernel the per-expert wgrad takes by default: "auto" the persistent one when adding into a main grad (where it
-# measured 1.0-1.25x the one-tile kernel on an H100, before its reset moved into the epilogue: docs/PERFORMANCE.md)
-# and the one-tile one when writing (where two resident one-tile programs per SM overlap one's epilogue with the
-# other's MMAs: 0.72-0.90x); "1" / "0" always / never, for comparisons
+# measured 1.09-1.42x the one-tile kernel on an H100 at Mixtral's and Qwen3's expert shapes: docs/PERFORMANCE.md) and
+# the one-tile one when writing (where the persistent one measured 0.87-0.99x); "1" / "0" always / never, for
+# comparisons
 PERSISTENT = os.environ.get("LMOE_FP8_WGRAD_PERSISTENT", "auto")
 
 
@@ -161,6 +161,11 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, o_desc
 CONFIGS = {"blockwise": (128, 128, 8, 4), "precise": (128, 128, 4, 3), "fast": (128, 128, 8, 3)}
 # the persistent kernel, both accumulations: two warpgroups and four stages (its one program per SM has the room)
 PERSISTENT_CONFIG = (128, 128, 8, 4)
+# ... and where the experts have few tokens each (at most PERSISTENT_NARROW_TOKENS on average), so that a tile's
+# epilogue weighs more against its MMAs: 64 x 128 tiles on one warpgroup, two programs per SM (104 KiB of shared memory
+# each), one's MMAs running while the other's epilogue reads, adds and writes. Adding at Qwen3's expert shapes on an
+# H100 (1,024 tokens per expert): 1.09-1.14x the 128 x 128 kernel; at Mixtral's (2,048): 0.80-0.97x, so not there
+PERSISTENT_NARROW_CONFIG, PERSISTENT_NARROW_TOKENS = (64, 128, 4, 3), 1024
 # with the output by TMA, adding takes two more 64 KiB tiles of shared memory (the old tile's load, the store): three
 # stages keep it within Hopper's 227 KiB (sm_90 compile: 229,416 bytes; four stages would need 262,184)
 TMA_OUT_CONFIG = (128, 128, 8, 3)
@@ -175,6 +180,13 @@ def use_persistent(per_expert: bool, first: bool) -> bool:
     return PERSISTENT == "1" or (PERSISTENT == "auto" and not first)
 
 
+def persistent_config(tokens: int, experts: int) -> tuple:
+    """The persistent kernel's default (config, programs per SM) for ``tokens`` padded tokens over ``experts``."""
+    if experts and tokens <= PERSISTENT_NARROW_TOKENS * experts:
+        return PERSISTENT_NARROW_CONFIG, 2
+    return PERSISTENT_CONFIG, 1
+
+
 def config_for(per_expert: bool, fast: bool) -> tuple:
     return CONFIGS["blockwise" if not per_expert else "fast" if fast else "precise"]
 
@@ -187,11 +199,12 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     N; ``offs``: the experts' cumulative token ends, multiples of 128. The scales dequantize (the reciprocals of the
     quantization scales): (P / 128, K) per 128-token block (blockwise), or with ``per_expert`` (L, K) (rowwise;
     ``fast``: no fp32 promotion within the expert's sum). ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default
-    ``config_for``'s (``PERSISTENT_CONFIG`` for the persistent kernel). ``persistent`` (per expert only):
-    ``programs`` programs (default: one per SM) each loop over strided tiles, overlapping a tile's epilogue with the
-    next tile's loads; the same bits. ``None``: ``use_persistent`` (``tma_out`` implies it). ``tma_out`` (persistent
-    only; not yet timed on a GPU, so not the default): the output tiles read and written by TMA, where ``out``'s rows
-    are 16-byte aligned."""
+    ``config_for``'s (``persistent_config``'s for the persistent kernel). ``persistent`` (per expert only):
+    ``programs`` programs (default: ``persistent_config``'s number per SM, or one per SM with a config given) each
+    loop over strided tiles, overlapping a tile's epilogue with the next tile's loads; the same bits. ``None``:
+    ``use_persistent`` (``tma_out`` implies it). ``tma_out`` (persistent only; on an H100 0.89-1.02x the pointers'
+    rate when adding, 0.82-0.99x writing, so not the default): the output tiles read and written by TMA, where
+    ``out``'s rows are 16-byte aligned."""
     if persistent is None:
         persistent = tma_out or use_persistent(per_expert, first)
     if persistent and not per_expert:
@@ -218,13 +231,15 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
         if first:
             out_LKN.zero_()
         return
-    bk, bn, warps, stages = config or (TMA_OUT_CONFIG if tma_out else PERSISTENT_CONFIG if persistent
-                                       else config_for(per_expert, fast))
+    per_sm = 1
+    if config is None and persistent and not tma_out:
+        config, per_sm = persistent_config(P, L)
+    bk, bn, warps, stages = config or (TMA_OUT_CONFIG if tma_out else config_for(per_expert, fast))
     da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
     db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
     if persistent:
         if programs is None:
-            programs = torch.cuda.get_device_properties(out_LKN.device).multi_processor_count \
+            programs = per_sm * torch.cuda.get_device_properties(out_LKN.device).multi_processor_count \
                 if out_LKN.is_cuda else 4
         do = TensorDescriptor.from_tensor(out_LKN, [1, bk, bn]) if tma_out else out_LKN
         _fp8_wgrad_persistent_kernel[(programs,)](

@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=20)
+    run_interpreted(__file__, timeout=600, passed=23)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -149,3 +149,31 @@ def test_default_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="LMOE_FP8_WGRAD_PERSISTENT='yes'"):
         tw.use_persistent(True, first=False)
     assert not tw.use_persistent(False, first=False)  # blockwise scales: never, whatever the variable says
+
+
+@inside
+def test_persistent_config_by_tokens_per_expert():
+    """64 x 128 tiles at two programs per SM where the experts average at most 1,024 tokens (Qwen3's expert shapes),
+    128 x 128 at one per SM above (Mixtral's)."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    assert tw.persistent_config(1024 * 128, 128) == (tw.PERSISTENT_NARROW_CONFIG, 2)
+    assert tw.persistent_config(2048 * 8, 8) == (tw.PERSISTENT_CONFIG, 1)
+    assert tw.persistent_config(1024 * 8 + 128, 8) == (tw.PERSISTENT_CONFIG, 1)
+    assert tw.persistent_config(0, 0) == (tw.PERSISTENT_CONFIG, 1)
+
+
+@inside
+@pytest.mark.parametrize("first", [True, False])
+def test_persistent_default_config_gives_the_one_tile_bits(first):
+    """The persistent kernel with its default config (this case's 192 tokens per expert take the 64 x 128 tiles) gives
+    the one-tile kernel's bits with the same tiles, written and added (numpy's sums depend on the tile shape here; the
+    GPU's FP8 MMAs do not, which ``tests/test_gpu_fp8.py`` checks across configs)."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    aT, sa, bT, sb, offs, counts = _case(True, seed=4)
+    assert tw.persistent_config(aT.shape[1], len(counts))[0] == tw.PERSISTENT_NARROW_CONFIG
+    start = torch.randn(len(counts), aT.shape[0], bT.shape[0])
+    one, per = start.clone(), start.clone()
+    tw.wgrad_into(one, (aT, sa), (bT, sb), offs, first, per_expert=True, config=tw.PERSISTENT_NARROW_CONFIG,
+                  persistent=False)
+    tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, per_expert=True, persistent=True)
+    assert torch.equal(one, per)

@@ -28,23 +28,27 @@ nvidia = pytest.mark.skipif(not _has_nvidia_backend(), reason="this triton has n
 
 
 def _ttgir(kernel, persistent: bool, stages: int, warps: int, fast: bool, acc: bool, tma_out: bool = False,
-           full: bool = False):
+           full: bool = False, bk: int = 128, bn: int = 128):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    desc = "tensordesc<fp8e4nv[128, 128]>"
-    sig = {"a_desc": desc, "sa_ptr": "*fp32", "b_desc": desc, "sb_ptr": "*fp32", "out_ptr": "*fp32",
-           "offs_ptr": "*i32", "K": "i32", "N": "i32"}
-    const = {"ACC": acc, "FAST": fast, "BLOCK_K": 128, "BLOCK_N": 128, "TB": 128, "GROUP_K": 8, "STAGES": stages}
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bk}, 128]>", "sa_ptr": "*fp32", "b_desc": f"tensordesc<fp8e4nv[{bn}, 128]>",
+           "sb_ptr": "*fp32", "out_ptr": "*fp32", "offs_ptr": "*i32", "K": "i32", "N": "i32"}
+    const = {"ACC": acc, "FAST": fast, "BLOCK_K": bk, "BLOCK_N": bn, "TB": 128, "GROUP_K": 8, "STAGES": stages}
     if persistent:
         sig = {**{k: v for k, v in sig.items() if k != "offs_ptr"},
-               "o_desc": "tensordesc<fp32[1, 128, 128]>" if tma_out else "*fp32", "offs_ptr": "*i32"}
+               "o_desc": f"tensordesc<fp32[1, {bk}, {bn}]>" if tma_out else "*fp32", "offs_ptr": "*i32"}
         sig.update(K="i32", N="i32", L="i32", P="i32")
         const["TMA_OUT"] = tma_out
     else:
         const["PER_BLOCK"] = False
     sig.update({k: "constexpr" for k in const})
+    # what triton's launcher assumes of aligned arguments (pointers and sizes divisible by 16), so that the loads and
+    # stores are vectorized as on the GPU
+    names = kernel.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "out_ptr", "offs_ptr", "K",
+                                                                    "N", "P") if k in names}
     # a compile error fails the test; only a triton without the NVIDIA backend skips it
-    compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+    compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
     return (compiled, compiled.asm["ttgir"]) if full else compiled.asm["ttgir"]
 
@@ -86,3 +90,17 @@ def test_one_tile_wgrad_is_pipelined():
     ir = _ttgir(tw._fp8_wgrad_kernel, False, stages, tw.CONFIGS["fast"][2], True, True)
     assert ir.count("ttng.async_tma_copy_global_to_local") == 2 * stages
     assert _in_flight(ir)
+
+
+@nvidia
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("acc", [False, True])
+def test_persistent_narrow_config_is_pipelined_and_two_fit(fast, acc):
+    """The 64 x 128 config (few tokens per expert): pipelined, one MMA in flight, and two programs fit one SM's shared
+    memory (228 KiB, 1 KiB of it reserved per block), as its default of two programs per SM assumes."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    bk, bn, warps, stages = tw.PERSISTENT_NARROW_CONFIG
+    compiled, ir = _ttgir(tw._fp8_wgrad_persistent_kernel, True, stages, warps, fast, acc, full=True, bk=bk, bn=bn)
+    assert ir.count("ttng.async_tma_copy_global_to_local") == 2 * stages
+    assert _in_flight(ir)
+    assert 2 * (compiled.metadata.shared + 1024) <= 228 * 1024
