@@ -591,7 +591,7 @@ def main(argv=None) -> dict:
                    help="FP8Training(exclude=...): comma-separated module names (patterns) kept in bf16, e.g. "
                         "'attention' for FP8 experts only")
     p.add_argument("--fp8-no-weight-cache", action="store_true",
-                   help="FP8Training(cache_weights=False): quantize the expert weights at every micro-batch")
+                   help="FP8Training(cache_weights=False): quantize the weights at every micro-batch")
     p.add_argument("--fp8-no-fp8-wgrad", action="store_true",
                    help="with --fp8: FP8Training(fp8_wgrad=False), weight gradients from the unquantized operands")
     p.add_argument("--fp8-dispatch", action="store_true",

@@ -132,3 +132,23 @@ def test_rowwise_quant_col_amax_exact(M, K, L):
     _same_bytes(q[:int(offs[-1])], rq[:int(offs[-1])])  # tail rows: NaN, whose E4M3 byte the two kernels may differ in
     assert torch.equal(s, rs) or torch.equal(s.nan_to_num(), rs.nan_to_num())
     assert torch.equal(amax, tq.grouped_col_amax(x, offs, gid))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_dense_fp8_linear_one_pass_quant_identical(recipe, monkeypatch):
+    """The dense FP8 linear (``fp8_linear``) with its rowwise operands quantized by one Triton kernel each and with
+    torch's amax, scale and cast (``FUSED_QUANT`` off): the same output, dgrad and wgrad, bit for bit (tensorwise
+    never takes the kernel: the check that both runs take the same path there)."""
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = _x(4096, 2048, g)
+    w = (torch.randn(1536, 2048, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    dy = _x(4096, 1536, g)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(k, "FUSED_QUANT", fused)
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xi, wi, FP8Spec(recipe))
+        outs.append((y, *torch.autograd.grad(y, (xi, wi), dy)))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -57,10 +57,11 @@ class FP8Training(L.Callback):
             gradient returns in the activations' precision (straight-through), and the combine all-to-all stays in
             it. Under EP = 1 the same rounding applies where the all-to-all would be, so every layout gives the same
             numbers. Other dispatchers are refused. Independent of ``exclude`` (it applies to every MoE layer).
-        cache_weights: quantize each expert weight for the FP8 grouped kernels once per optimizer step, not once per
-            micro-batch (Transformer Engine's FP8 weight cache): the micro-batches of a step, and a validation between
-            steps, reuse it. Costs the FP8 copies (two layouts, 2 bytes per expert weight element) until the next
-            step. Not for the delayed recipe (its amax history advances at every use).
+        cache_weights: quantize each weight once per optimizer step, not once per micro-batch (Transformer
+            Engine's FP8 weight cache): the experts' for the FP8 grouped kernels, and the dense linears' for their
+            forward and (transposed) dgrad GEMMs. The micro-batches of a step, and a validation between steps, reuse
+            them. Costs the FP8 copies (two layouts, 2 bytes per weight element) until the next step. Not for the
+            delayed recipe (its amax history advances at every use).
         fast_accum: which FP8 GEMMs use Hopper's fast accumulation: ``"fprop"`` (default) the forward ones, as
             Transformer Engine does, with the precise (split) accumulator for dgrad and wgrad; ``"all"`` every one,
             as torchao's MoE training does (about 2x faster backward GEMMs at fine-grained expert shapes, fewer
@@ -113,7 +114,7 @@ class FP8Training(L.Callback):
         self._amaxes: Optional[fp8_gather.WeightAmaxes] = None
         self._swapped: list = []
         self._specs: list = []  # specs reading the FP8 parameter all-gather's amaxes
-        self._cached: list = []  # the expert GEMMs' specs, whose weight caches follow trainer.global_step
+        self._cached: list = []  # the GEMMs' specs, whose weight caches follow trainer.global_step
         self._dispatchers: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -136,7 +137,7 @@ class FP8Training(L.Callback):
         for g in targets:
             spec = self._spec(g, ctx)
             swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
-            if g.grouped and self.cache_weights:
+            if self.cache_weights:
                 self._cached.append(spec)
             if sharded is not None:
                 spec.presets = self._amaxes

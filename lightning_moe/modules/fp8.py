@@ -146,15 +146,18 @@ def _kernel_scales(t: Tiling, scale: torch.Tensor, lhs: bool) -> Optional[torch.
     return None  # blockwise: emulated
 
 
-def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, ta: Tiling, tb: Tiling, fmt_a: str, fmt_b: str,
+def fp8_mm(a_MK: torch.Tensor, b_NK: Optional[torch.Tensor], ta: Tiling, tb: Tiling, fmt_a: str, fmt_b: str,
            out_dtype: torch.dtype, emulate: bool = False, amax_a: Optional[torch.Tensor] = None,
-           amax_b: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
+           amax_b: Optional[torch.Tensor] = None, fast_accum: bool = False,
+           b_q: Optional[tuple] = None, a_q: Optional[tuple] = None) -> torch.Tensor:
     """``a @ b^T`` with both operands quantized to FP8 along K. ``torch._scaled_mm`` for tensorwise and rowwise
     tilings (CUDA and CPU), DeepGEMM for blockwise tilings where it runs (``fp8_deepgemm.dense_mm``), emulated
     otherwise or when ``emulate``. ``fast_accum``: the kernel's fast accumulation
-    (Hopper keeps fewer bits in its tensor-core accumulators; see ``FAST_ACCUM``)."""
-    qa, sa = quantize(a_MK, fmt_a, ta, amax_a)
-    qb, sb = quantize(b_NK, fmt_b, tb, amax_b)
+    (Hopper keeps fewer bits in its tensor-core accumulators; see ``FAST_ACCUM``). ``b_q``: ``b`` already quantized,
+    ``quantize``'s (values, scales) with ``fmt_b`` and ``tb`` (a cached weight), in place of ``b_NK``; ``a_q``
+    likewise for ``a`` (``a_MK`` still given)."""
+    qa, sa = a_q if a_q is not None else quantize(a_MK, fmt_a, ta, amax_a)
+    qb, sb = b_q if b_q is not None else quantize(b_NK, fmt_b, tb, amax_b)
     if not emulate and ta.cols is not None:  # blockwise tiles: DeepGEMM, where it runs
         from lightning_moe.modules import fp8_deepgemm
         if fp8_deepgemm.dense_runs(a_MK, ta, tb, (fmt_a, fmt_b), out_dtype):

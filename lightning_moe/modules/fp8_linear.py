@@ -9,6 +9,10 @@ tensorwise and delayed scaling whenever the operand is split, for rowwise when t
 dimension; blockwise tiles never straddle ranks (the split sizes must be multiples of 128). ``split``: which
 dimension of the layer the TP group splits, ``"out"`` (column-parallel, N) or ``"in"`` (row-parallel, K).
 
+The weight's two operands (``w`` for the forward, ``w^T`` for dgrad) are quantized once per optimizer step under
+``FP8Training(cache_weights=True)`` (``FP8Spec.cached_weight``). Rowwise operands are quantized by one Triton kernel
+each on CUDA (``triton_fp8_quant.rowwise_quant``, the same bits) unless their amax is reduced over ranks.
+
 Shapes: M rows (tokens), K input features, N output features.
 """
 
@@ -21,7 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_moe.modules.fp8 import BLOCK, AmaxHistory, Tiling, block_amax, formats, fp8_mm, tiling
+from lightning_moe.modules.fp8 import (BLOCK, AmaxHistory, Tiling, block_amax, formats, fp8_mm, quantize,
+                                       tiling)
+from lightning_moe.modules.kernels import load
 from lightning_moe.modules.wgrad_fusion import wgrad_into
 
 
@@ -103,14 +109,39 @@ class FP8Spec:
         return a
 
 
+def _one_pass(x: torch.Tensor, t: Tiling, fmt: str, amax: Optional[torch.Tensor]):
+    """``triton_fp8_quant`` where it quantizes ``x`` rowwise in one kernel with ``quantize``'s bits: the rowwise
+    recipe's E4M3 per-row scales with no amax from elsewhere (reduced over ranks); else None. One launch instead of
+    the amax, scale and cast ops, which left the GPU waiting on the host (docs/PERFORMANCE.md)."""
+    from lightning_moe.modules.fp8_grouped_kernels import FUSED_QUANT  # it builds on this module
+    if not FUSED_QUANT or amax is not None or t != Tiling(1, None) or fmt != "e4m3":
+        return None
+    return load("triton_fp8_quant", x)
+
+
+def _quantized(spec: FP8Spec, name: str, x_RK: torch.Tensor, t: Tiling, splits: tuple, fmt: str,
+               amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize``'s (values, scales) of operand ``name``, its amax reduced as the recipe says unless given."""
+    amax = spec.amax(name, x_RK, t, *splits) if amax is None else amax
+    tq = _one_pass(x_RK, t, fmt, amax)
+    return tq.rowwise_quant(x_RK, fmt) if tq is not None else quantize(x_RK, fmt, t, amax)
+
+
 def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str], fmts: tuple[str, str],
-        splits_a: tuple, splits_b: tuple, out_dtype, gemm: str, amax_b: Optional[torch.Tensor] = None
-        ) -> torch.Tensor:
-    """``amax_b``: the weight's preset amaxes (``FP8Spec.weight_amax``), else reduced as the recipe says."""
+        splits_a: tuple, splits_b: tuple, out_dtype, gemm: str, amax_b: Optional[torch.Tensor] = None,
+        weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``amax_b``: the weight's preset amaxes (``FP8Spec.weight_amax``), else reduced as the recipe says. ``weight``:
+    ``b`` is made from this weight (``b_NK`` then a function of no arguments that makes it): its quantization is
+    cached once per optimizer step (``FP8Spec.cached_weight``), so later micro-batches skip the transpose, the amax
+    and the cast."""
     ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
-    amax_a = spec.amax(names[0], a_MK, ta, *splits_a)
-    amax_b = spec.amax(names[1], b_NK, tb, *splits_b) if amax_b is None else amax_b
-    return fp8_mm(a_MK, b_NK, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, amax_a, amax_b, spec.fast(gemm))
+    a_q = _quantized(spec, names[0], a_MK, ta, splits_a, fmts[0])
+
+    def quantized_b():
+        return _quantized(spec, names[1], b_NK() if weight is not None else b_NK, tb, splits_b, fmts[1], amax_b)
+    b_q = quantized_b() if weight is None else spec.cached_weight(names[1], weight, quantized_b)
+    return fp8_mm(a_MK, None, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, None, None, spec.fast(gemm),
+                  b_q=b_q, a_q=a_q)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -122,8 +153,8 @@ class _FP8Linear(torch.autograd.Function):
         fwd, _ = spec.formats()
         col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         # x: tokens split over data ranks, K over TP (row-parallel); W: N (column) or K (row) over TP
-        y = _mm(spec, ("x", "w"), x_MK, w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row), x.dtype,
-                "fprop", spec.weight_amax(w_NK))
+        y = _mm(spec, ("x", "w"), x_MK, lambda: w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row),
+                x.dtype, "fprop", spec.weight_amax(w_NK), weight=w_NK)
         return y.reshape(*x.shape[:-1], w_NK.shape[0])
 
     @staticmethod
@@ -135,8 +166,8 @@ class _FP8Linear(torch.autograd.Function):
         dy_MN = dy.reshape(-1, dy.shape[-1])
         # dgrad dx = dy W, reduced over N: dy's N split (column), W^T is K x N
         amax_w = spec.weight_amax(w_NK)
-        dx = _mm(spec, ("dy", "w_t"), dy_MN, w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd), ("data", col),
-                 (row, col), x_MK.dtype, "dgrad", None if amax_w is None else amax_w.t())
+        dx = _mm(spec, ("dy", "w_t"), dy_MN, lambda: w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd),
+                 ("data", col), (row, col), x_MK.dtype, "dgrad", None if amax_w is None else amax_w.t(), weight=w_NK)
         if not spec.fp8_wgrad:  # the unquantized operands, accumulated in fp32 (the fused wgrad's GEMM)
             dw = torch.empty(w_NK.shape, dtype=torch.float32, device=w_NK.device)
             wgrad_into(dw, dy_MN, x_MK.to(dy_MN.dtype), True)

@@ -50,3 +50,41 @@ def test_callback_sets_the_step_before_every_batch_and_clears_at_teardown():
     off = FP8Training("rowwise", cache_weights=False)
     _start(off, _lm())
     assert not off._cached
+
+
+def test_dense_linear_weight_is_quantized_once_per_step():
+    """A dense FP8 linear under a step: its weight's forward and (transposed) dgrad operands are quantized at the first
+    micro-batch and reused by the next, with the same outputs and gradients as quantizing every time; a new step (the
+    optimizer changed the weight) makes them again."""
+    from lightning_moe.modules import fp8_linear as fl
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g, requires_grad=True)
+    xs = [torch.randn(16, 32, generator=g) for _ in range(2)]
+    dys = [torch.randn(16, 48, generator=g) for _ in range(2)]
+
+    def run(spec):
+        outs = []
+        for x, dy in zip(xs, dys):
+            x = x.clone().requires_grad_()
+            y = fl.fp8_linear(x, w, spec)
+            dx, dw = torch.autograd.grad(y, (x, w), dy)
+            outs += [y, dx, dw]
+        return outs
+
+    for recipe in ("tensorwise", "rowwise"):
+        ref = run(FP8Spec(recipe))  # no step: quantized at every use
+        spec = FP8Spec(recipe, step=0)
+        made = []
+        real = fl._quantized
+        try:
+            fl._quantized = lambda spec, name, *a, **k: made.append(name) or real(spec, name, *a, **k)
+            got = run(spec)
+        finally:
+            fl._quantized = real
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), recipe
+        weights = [name for name in made if name in ("w", "w_t")]  # not the activations
+        assert weights == ["w", "w_t"] and set(spec.weights) == {"w", "w_t"}  # once each, two micro-batches
+        first = spec.weights["w"][2]
+        spec.step = 1
+        run(spec)
+        assert spec.weights["w"][2] is not first
