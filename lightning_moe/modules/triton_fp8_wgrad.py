@@ -29,7 +29,7 @@ from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
 
 T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
 # which kernel the per-expert wgrad takes by default: "auto" the persistent one when adding into a main grad (where it
-# measured 1.09-1.42x the one-tile kernel on an H100 at Mixtral's and Qwen3's expert shapes: docs/PERFORMANCE.md) and
+# measured 1.06-1.52x the one-tile kernel on an H100 at Mixtral's and Qwen3's expert shapes: docs/PERFORMANCE.md) and
 # the one-tile one when writing (where the persistent one measured 0.87-0.99x); "1" / "0" always / never, for
 # comparisons
 PERSISTENT = os.environ.get("LMOE_FP8_WGRAD_PERSISTENT", "auto")
@@ -163,8 +163,9 @@ CONFIGS = {"blockwise": (128, 128, 8, 4), "precise": (128, 128, 4, 3), "fast": (
 PERSISTENT_CONFIG = (128, 128, 8, 4)
 # ... and where the experts have few tokens each (at most PERSISTENT_NARROW_TOKENS on average), so that a tile's
 # epilogue weighs more against its MMAs: 64 x 128 tiles on one warpgroup, two programs per SM (104 KiB of shared memory
-# each), one's MMAs running while the other's epilogue reads, adds and writes. Adding at Qwen3's expert shapes on an
-# H100 (1,024 tokens per expert): 1.09-1.14x the 128 x 128 kernel; at Mixtral's (2,048): 0.80-0.97x, so not there
+# each), one's MMAs running while the other's epilogue reads, adds and writes. Adding on an H100, against the 128 x 128
+# kernel: 1.18-1.43x at 512 and 1,024 tokens per Qwen3 or Mixtral expert, 1.02-1.14x at Qwen3's block (1,024);
+# 0.80-1.05x at Mixtral's (2,048), so not there
 PERSISTENT_NARROW_CONFIG, PERSISTENT_NARROW_TOKENS = (64, 128, 4, 3), 1024
 # with the output by TMA, adding takes two more 64 KiB tiles of shared memory (the old tile's load, the store): three
 # stages keep it within Hopper's 227 KiB (sm_90 compile: 229,416 bytes; four stages would need 262,184)
