@@ -18,6 +18,7 @@ Shapes: M rows (tokens), K input features, N output features.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -116,7 +117,14 @@ def _one_pass(x: torch.Tensor, t: Tiling, fmt: str, amax: Optional[torch.Tensor]
     from lightning_moe.modules.fp8_grouped_kernels import FUSED_QUANT  # it builds on this module
     if not FUSED_QUANT or amax is not None or t != Tiling(1, None) or fmt != "e4m3":
         return None
+    if x.is_cuda and _capability(x.device.index) < (8, 9):  # no E4M3 conversion (emulated FP8 on older GPUs)
+        return None
     return load("triton_fp8_quant", x)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: Optional[int]) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def _quantized(spec: FP8Spec, name: str, x_RK: torch.Tensor, t: Tiling, splits: tuple, fmt: str,
