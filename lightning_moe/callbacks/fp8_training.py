@@ -61,7 +61,8 @@ class FP8Training(L.Callback):
             Engine's FP8 weight cache): the experts' for the FP8 grouped kernels, and the dense linears' for their
             forward and (transposed) dgrad GEMMs. The micro-batches of a step, and a validation between steps, reuse
             them. Costs the FP8 copies (two layouts, 2 bytes per weight element) until the next step. Not for the
-            delayed recipe (its amax history advances at every use).
+            delayed recipe (its amax history advances at every use), nor under ``MoEFoldStrategy(cuda_graphs=True)``
+            (a graph would replay the copy made at its capture; the quantization is captured instead).
         fast_accum: which FP8 GEMMs use Hopper's fast accumulation: ``"fprop"`` (default) the forward ones, as
             Transformer Engine does, with the precise (split) accumulator for dgrad and wgrad; ``"all"`` every one,
             as torchao's MoE training does (about 2x faster backward GEMMs at fine-grained expert shapes, fewer
@@ -134,10 +135,14 @@ class FP8Training(L.Callback):
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
         gathered = []
         self._amaxes = fp8_gather.WeightAmaxes() if sharded is not None else None
+        # under CUDA graphs a cached weight would be captured as it was at the capture and replayed stale: the
+        # quantization stays inside the graphs, replayed with the current weights at every micro-batch
+        graphs = bool(getattr(trainer.strategy, "cuda_graphs", False))
+        cache = self.cache_weights and not graphs
         for g in targets:
             spec = self._spec(g, ctx)
             swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
-            if self.cache_weights:
+            if cache:
                 self._cached.append(spec)
             if sharded is not None:
                 spec.presets = self._amaxes
@@ -177,7 +182,9 @@ class FP8Training(L.Callback):
                        + (f"; DeepGEMM unavailable ({fp8_deepgemm.unavailable(device)})"
                           if self.recipe == "blockwise" and not emulate and device.type == "cuda"
                           and fp8_deepgemm.unavailable(device) else "")
-                       + (f"; {n_gathered} weights all-gathered in FP8 (summed over the ranks)" if sharded else ""))
+                       + (f"; {n_gathered} weights all-gathered in FP8 (summed over the ranks)" if sharded else "")
+                       + ("; weights quantized at every micro-batch (no weight cache inside CUDA graphs)"
+                          if self.cache_weights and graphs else ""))
         if sharded is not None and not n_gathered:
             rank_zero_warn("FP8Training(fp8_param_gather=True): no FP8 weight is all-gathered in this layout (each "
                            "data-parallel group of the weights has one rank, or the distributed optimizer does not "

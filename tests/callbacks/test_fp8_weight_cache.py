@@ -50,6 +50,11 @@ def test_callback_sets_the_step_before_every_batch_and_clears_at_teardown():
     off = FP8Training("rowwise", cache_weights=False)
     _start(off, _lm())
     assert not off._cached
+    # under CUDA graphs no cache: a captured graph would replay the FP8 copy made at its capture, stale after a step
+    graphs = FP8Training("rowwise")
+    graphs.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), cuda_graphs=True)),
+                        _lm())
+    assert not graphs._cached
 
 
 def test_dense_linear_weight_is_quantized_once_per_step():
