@@ -226,13 +226,16 @@ def test_trainer_loop_has_no_host_sync(tmp_path):
     assert trainer.progress_bar_metrics["loss"] in [x.item() for x in lm_losses[-4:]]
 
 
-@pytest.mark.parametrize("main_params", [True, False])
-def test_cuda_graphs_match_eager(tmp_path, main_params):
+@pytest.mark.parametrize("main_params,fp8", [(True, False), (False, False), (True, True)])
+def test_cuda_graphs_match_eager(tmp_path, main_params, fp8):
     """MoEFoldStrategy(cuda_graphs=True) against eager, the same seed and data, bf16-true: 6 optimizer steps of 2
     micro-batches (gradients accumulate through the graphs' static gradient buffers: into fp32 main grads, or, without
     main params, into param.grad through copies), with clipping, validation in eval mode (eager) in between,
     DeepSeek-style routing (expert bias updated from the graphed counters), a shared expert and a dense first layer.
-    float32 weights are refused before training: torch's float32 grouped GEMM cannot be captured."""
+    float32 weights are refused before training: torch's float32 grouped GEMM cannot be captured. ``fp8``: under
+    FP8Training("rowwise"), whose weight quantization must be replayed with each step's weights (a cached FP8 copy
+    captured at the first step would keep the GEMMs on the first step's weights)."""
+    from lightning_moe import FP8Training
     import numpy as np
 
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
@@ -256,15 +259,16 @@ def test_cuda_graphs_match_eager(tmp_path, main_params):
                             precision=precision, max_steps=6, accumulate_grad_batches=2, gradient_clip_val=1.0,
                             val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                            callbacks=[Rec()])
+                            callbacks=[Rec()] + ([FP8Training("rowwise")] if fp8 else []))
         model = MoELanguageModel(preset="tiny", overrides=ovr, seed=3, lr=3e-3, warmup_steps=1)
         trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=256, batch_size=2))
         state = {k: v.detach().float().cpu() for k, v in model.model.state_dict().items()}
         return torch.stack(losses).float().cpu(), state, graphed, trainer.callback_metrics["val_loss"].item()
 
     precision = "32-true"
-    with pytest.raises(ValueError, match="needs bf16 expert weights"):
-        fit(True)
+    if not fp8:
+        with pytest.raises(ValueError, match="needs bf16 expert weights"):
+            fit(True)
     precision = "bf16-true"
     loss_e, state_e, graphed_e, val_e = fit(False)
     loss_g, state_g, graphed_g, val_g = fit(True)
@@ -272,7 +276,7 @@ def test_cuda_graphs_match_eager(tmp_path, main_params):
     torch.testing.assert_close(loss_g, loss_e, rtol=2e-3, atol=0)
     assert val_g == pytest.approx(val_e, rel=2e-3)
     worst = max(((state_g[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in state_e.items())
-    print(f"main_params={main_params}: max |loss diff| {(loss_g - loss_e).abs().max().item():.3g}, "
+    print(f"main_params={main_params} fp8={fp8}: max |loss diff| {(loss_g - loss_e).abs().max().item():.3g}, "
           f"val {abs(val_g - val_e):.3g}, worst param rel-norm diff {worst:.3g}")
     assert worst < 2e-2, worst
     assert not torch.equal(state_e["layers.1.ffn.router.expert_bias"], torch.zeros(8))  # the bias did move

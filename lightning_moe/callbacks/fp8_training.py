@@ -124,6 +124,10 @@ class FP8Training(L.Callback):
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9) and not emulate:
             raise ValueError(f"FP8Training: {torch.cuda.get_device_name(device)} has no FP8 tensor cores (compute "
                              "capability 8.9+ needed); pass emulate=True to train with emulated FP8")
+        if self.recipe == "delayed" and getattr(trainer.strategy, "cuda_graphs", False):
+            # the amax history is a new tensor at every use: a replayed graph would read the one of its capture
+            raise ValueError("FP8Training('delayed') with MoEFoldStrategy(cuda_graphs=True): the captured GEMMs cannot "
+                             "advance the amax history; use the tensorwise or rowwise recipe, or turn the graphs off")
         ctx = getattr(pl_module, "parallel_context", None)
         dispatchers = self._fp8_dispatchers(pl_module) if self.fp8_dispatch else []
         targets = list(gemms(pl_module, self.exclude, self.include_head))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from lightning_moe import FP8Training
@@ -55,6 +56,10 @@ def test_callback_sets_the_step_before_every_batch_and_clears_at_teardown():
     graphs.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), cuda_graphs=True)),
                         _lm())
     assert not graphs._cached
+    # the delayed recipe's amax history advances in Python at every use, which a replayed graph would not: refused
+    with pytest.raises(ValueError, match="amax history"):
+        FP8Training("delayed").on_fit_start(
+            SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), cuda_graphs=True)), _lm())
 
 
 def test_dense_linear_weight_is_quantized_once_per_step():
