@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H100, issue 19 (ninth session of 2026-11-26). Parts, in the order given (default: all four):
-#   tests    the FP8 GPU tests (tests/test_gpu_fp8.py, test_gpu_fp8_cache.py, test_gpu_fp8_quant.py)
+#   tests    the FP8 GPU tests (tests/test_gpu_fp8.py, test_gpu_fp8_cache.py, test_gpu_fp8_quant.py) and the CUDA
+#            graphs against eager, bf16 and FP8 (tests/test_gpu.py -k cuda_graphs)
 #   wgrad    the persistent wgrad's configs at bench_model's micro-batch shapes (bench_fp8_wgrad.py --shapes
 #            mixtral-b1,qwen3-b2)
 #   mixtral  mixtral-8x7b 2 layers (1 x 4 micro-batches) in bf16, FP8 rowwise, and FP8 rowwise with the attention
@@ -28,7 +29,9 @@ for p in ${@:-tests wgrad mixtral qwen3}; do case "$p" in
 tests)
   timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py tests/test_gpu_fp8_cache.py \
     tests/test_gpu_fp8_quant.py > "$OUT/tests.log" 2>&1
-  tail -1 "$OUT/tests.log"; grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -10 ;;
+  tail -1 "$OUT/tests.log"; grep -E "^(E   |FAILED)" "$OUT/tests.log" | cut -c1-300 | head -10
+  timeout -k 10 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k cuda_graphs > "$OUT/graphs.log" 2>&1
+  tail -1 "$OUT/graphs.log"; grep -E "^(E   |FAILED)|max \|loss diff" "$OUT/graphs.log" | cut -c1-300 | head -10 ;;
 wgrad)
   WGRAD_SHAPES=mixtral-b1,qwen3-b2 WGRAD_S=200 OUT=$OUT bash benchmarks/run_h100_fp8_persistent.sh wgrad 2>&1 \
     | grep -v "^GPU" ;;
