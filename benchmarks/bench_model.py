@@ -364,6 +364,8 @@ def run_one(args, preset: str) -> dict:
                                                 cache_weights=not args.fp8_no_weight_cache,
                                                 fp8_param_gather=args.fp8_param_gather,
                                                 fp8_wgrad=not args.fp8_no_fp8_wgrad,
+                                                defer_expert_wgrad=args.fp8_defer_wgrad,
+                                                include_head=args.fp8_include_head,
                                                 exclude=[s for s in args.fp8_exclude.split(",") if s]))
         if args.nvfp4:
             from lightning_moe import NVFP4Training
@@ -442,6 +444,8 @@ def run_one(args, preset: str) -> dict:
            "fp8_dispatch": args.fp8_dispatch, "fp8_fast_accum": args.fp8_fast_accum,
            "expert_rows_align": args.expert_rows_align, "fp8_param_gather": args.fp8_param_gather,
            "fp8_exclude": args.fp8_exclude, "fp8_wgrad": not args.fp8_no_fp8_wgrad,
+           "fp8_defer_wgrad": args.fp8_defer_wgrad,
+           "fp8_include_head": args.fp8_include_head,
            "wgrad_fusion": ("none" if args.no_wgrad_fusion else "dense" if args.no_expert_wgrad_fusion
                             else "dense+experts"),
            "fused_optimizer_writeback": getattr(trainer.optimizers[0].step, "__qualname__", "").startswith("FusedAdam")
@@ -491,6 +495,8 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--fp8-param-gather"] if args.fp8_param_gather else []
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
         cmd += ["--fp8-no-fp8-wgrad"] if args.fp8_no_fp8_wgrad else []
+        cmd += ["--fp8-defer-wgrad"] if args.fp8_defer_wgrad else []
+        cmd += ["--fp8-include-head"] if args.fp8_include_head else []
         cmd += ["--fp8-fast-accum", args.fp8_fast_accum, "--fp8-exclude", args.fp8_exclude]
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
         cmd += ["--overlap-moe-comm"] if args.overlap_moe_comm else []
@@ -594,6 +600,10 @@ def main(argv=None) -> dict:
                    help="FP8Training(cache_weights=False): quantize the weights at every micro-batch")
     p.add_argument("--fp8-no-fp8-wgrad", action="store_true",
                    help="with --fp8: FP8Training(fp8_wgrad=False), weight gradients from the unquantized operands")
+    p.add_argument("--fp8-defer-wgrad", action="store_true",
+                   help="with --fp8: FP8Training(defer_expert_wgrad=True), the experts' wgrad once per optimizer step")
+    p.add_argument("--fp8-include-head", action="store_true",
+                   help="with --fp8: FP8Training(include_head=True), the output head's GEMMs in FP8 too")
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="with --fp8: FP8Training(fp8_dispatch=True), the token all-to-all in FP8 (alltoall dispatcher)")
     p.add_argument("--fp8-param-gather", action="store_true",

@@ -182,6 +182,87 @@ def test_persistent_fp8_wgrad_gives_the_one_tile_bits(fast):
             assert torch.equal(got, ref), (first, config, programs, tma_out)
 
 
+
+@hopper
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_wgrad_over_segments_gives_one_kernel_per_segments_bits(fast):
+    """``wgrad_segments_into`` (the deferred wgrad: three micro-batches' E4M3 operands side by side, each with its own
+    scales and expert sizes, an empty expert in one and a segment with one expert) against one ``wgrad_into`` per
+    micro-batch with the default kernels (the first writing or adding, the others adding): the same bits, in every
+    config the benchmark sweeps."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    g = torch.Generator(device="cuda").manual_seed(4)
+    L, K, N = 6, 320, 704
+    counts = [[384, 0, 128, 1024, 256, 640], [128, 256, 128, 0, 384, 128], [0, 0, 0, 0, 0, 512]]
+    segs = []
+    for c in counts:
+        offs = torch.tensor(c, device="cuda").cumsum(0).to(torch.int32)
+        P = sum(c)
+        segs.append(((torch.randn(K, P, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn),
+                     torch.rand(L, K, device="cuda", generator=g) + 0.5,
+                     (torch.randn(N, P, device="cuda", generator=g) * 4).to(torch.float8_e4m3fn),
+                     torch.rand(L, N, device="cuda", generator=g) * 1e-3, offs))
+    base, starts, ends = 0, [], []
+    for aT, _, _, _, offs in segs:
+        starts.append(torch.nn.functional.pad(offs[:-1], (1, 0)) + base)
+        ends.append(offs + base)
+        base += aT.shape[1]
+    a = (torch.cat([s[0] for s in segs], 1), torch.stack([s[1] for s in segs]))
+    b = (torch.cat([s[2] for s in segs], 1), torch.stack([s[3] for s in segs]))
+    start = torch.randn(L, K, N, device="cuda", generator=g)
+    for first in (True, False):
+        ref = start.clone()
+        for i, (aT, sa, bT, sb, offs) in enumerate(segs):
+            tw.wgrad_into(ref, (aT, sa), (bT, sb), offs, first and i == 0, per_expert=True, fast=fast)
+        for config in (None, (128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4)):
+            got = start.clone()
+            tw.wgrad_segments_into(got, a, b, torch.stack(starts), torch.stack(ends), first, fast=fast, config=config)
+            assert torch.equal(got, ref), (first, config)
+
+
+@hopper
+@pytest.mark.parametrize("fast", ["fprop", "all"])
+def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast):
+    """``FP8Spec(defer_wgrad=True)`` (``FP8Training(defer_expert_wgrad=True)``): three micro-batches of uneven
+    experts through GradSync's fusion, the wgrad held until the armed backward, against the wgrad of every
+    micro-batch into the main grads: the same main grads and input gradients, bit for bit, over two steps."""
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    from lightning_moe.strategy.grad_sync import GradSync
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    g = torch.Generator(device="cuda").manual_seed(5)
+    L, K, N = 8, 512, 768
+    w = (torch.randn(L, K, N, device="cuda", generator=g) * 0.05).bfloat16()
+    batches = []
+    for c in ([300, 0, 17, 513, 128, 77, 1, 1000], [10, 200, 0, 0, 640, 5, 300, 129], [0, 0, 0, 0, 0, 0, 0, 64]):
+        offs = torch.tensor(c, device="cuda").cumsum(0).to(torch.int32)
+        M = sum(c)
+        batches.append(((torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-1, 1, K, device="cuda")
+                         ).bfloat16(), (torch.randn(M, N, device="cuda", generator=g) * 1e-3).bfloat16(), offs))
+
+    def run(defer: bool):
+        p = torch.nn.Parameter(w.clone())
+        p.wgrad_fusable = True
+        sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+        spec = FP8Spec("rowwise", fast_accum=fast, defer_wgrad=defer)
+        out = []
+        for step in range(2):
+            dxs = []
+            for i, (x, dy, offs) in enumerate(batches):
+                if i == len(batches) - 1:
+                    sync.arm()
+                x = x.clone().requires_grad_()
+                fp8_grouped_mm(x, p, offs, spec).backward(dy * (step + 1))
+                dxs.append(x.grad)
+            sync.finish()
+            out.append((p.main_grad.clone(), dxs))
+            sync.discard()
+        return out
+
+    for (mg_d, dx_d), (mg, dx) in zip(run(True), run(False)):
+        assert torch.equal(mg_d, mg) and mg.abs().sum() > 0
+        assert all(torch.equal(a, b) for a, b in zip(dx_d, dx))
+
 def _model(callback, **overrides):
     from lightning_moe.modules.lm import MoELanguageModel
     lm = MoELanguageModel(preset="tiny", overrides={**OVR, **overrides})

@@ -1,6 +1,8 @@
 """The rowwise FP8 quantization kernels (``triton_fp8_quant.py``) on the GPU (skipped without CUDA or triton): the
 same fp8 bytes and scales as the torch code at Qwen3's and Mixtral's expert shapes, and ``_ScaledGroupedMM``'s
-forward, dgrad and wgrad bit-identical with the kernels on and off (``fp8_grouped_kernels.FUSED_QUANT``)."""
+forward, dgrad and wgrad bit-identical with the kernels on and off (``fp8_grouped_kernels.FUSED_QUANT``); the dense
+linear's likewise, and with its wgrad operands quantized straight into the transposed layout or from transposed
+copies."""
 
 from __future__ import annotations
 
@@ -152,3 +154,47 @@ def test_dense_fp8_linear_one_pass_quant_identical(recipe, monkeypatch):
         outs.append((y, *torch.autograd.grad(y, (xi, wi), dy)))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("M,K", [(16384, 4096), (131072, 2048), (4000, 200)])
+def test_colwise_quant_t_exact(M, K):
+    """``colwise_quant_t``: ``rowwise_quant`` of the transposed copy, bit for bit (rows of the copy up to 131072 wide:
+    ``rowwise_quant``'s two reads), with all-zero rows and a zero column."""
+    g = torch.Generator(device="cuda").manual_seed(M + K)
+    x = _x(M, K, g)
+    x[:, 7] = 0
+    q, s = tq.colwise_quant_t(x)
+    rq, rs = tq.rowwise_quant(x.t().contiguous())
+    _same_bytes(q, rq)
+    assert s.shape == rs.shape and s.dtype == rs.dtype and torch.equal(s, rs)
+    # column amaxes reduced over other ranks: larger for some columns, smaller (saturating) for others
+    from lightning_moe.modules.fp8 import Tiling, quantize
+    amax_K1 = x.t().abs().amax(1, keepdim=True).float() * torch.linspace(0.5, 2.0, K, device="cuda").unsqueeze(1)
+    q, s = tq.colwise_quant_t(x, "e4m3", amax_K1)
+    rq, rs = quantize(x.t().contiguous(), "e4m3", Tiling(1, None), amax_K1)
+    _same_bytes(q, rq)
+    assert s.shape == rs.shape and torch.equal(s, rs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="the one-pass kernels need E4M3 (SM 8.9)")
+@pytest.mark.parametrize("M,K,N", [(8192, 4096, 1024), (4000, 2048, 1536)])
+def test_dense_fp8_linear_wgrad_quant_t_identical(M, K, N, monkeypatch):
+    """The dense FP8 linear's wgrad operands quantized straight into the transposed layout (``colwise_quant_t``) and
+    by ``rowwise_quant`` from transposed copies, as before: the same output, dgrad and wgrad, bit for bit."""
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    x = _x(M, K, g)
+    w = (torch.randn(N, K, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    dy = _x(M, N, g)
+    used, colwise = [], tq.colwise_quant_t
+    outs = []
+    for new in (True, False):
+        monkeypatch.setattr(tq, "colwise_quant_t", (lambda x_MK, fmt, amax=None: used.append(fmt) or colwise(x_MK, fmt, amax)) if new
+                            else (lambda x_MK, fmt, amax=None: tq.rowwise_quant(x_MK.t().contiguous(), fmt)))
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xi, wi, FP8Spec("rowwise"))
+        outs.append((y, *torch.autograd.grad(y, (xi, wi), dy)))
+    assert len(used) == 2  # both operands took the kernel
+    for a, b, name in zip(*outs, ("y", "dx", "dw")):
+        assert torch.equal(a, b), name

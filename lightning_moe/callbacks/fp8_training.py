@@ -21,13 +21,14 @@ scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the by
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional, Sequence
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
-from lightning_moe.modules import fp8_deepgemm
+from lightning_moe.modules import fp8_deepgemm, wgrad_fusion
 from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
 from lightning_moe.modules.dispatchers import AllToAllDispatcher
 from lightning_moe.modules.fp8 import FAST_ACCUM, RECIPES
@@ -79,12 +80,20 @@ class FP8Training(L.Callback):
             fine-grained expert shapes on an H100 that is the faster block (Qwen3-30B-A3B's experts, docs/
             PERFORMANCE.md); at coarse ones the FP8 wgrad is. Not for the blockwise recipe, whose wgrad on DeepGEMM
             already runs on bf16 tensor cores from its 128-token tiles.
+        defer_expert_wgrad: run the experts' FP8 wgrad once per optimizer step, at its last backward, over the
+            quantized wgrad operands that every micro-batch of the step kept, instead of once per micro-batch. Under
+            gradient accumulation each micro-batch otherwise reads, adds and writes the fp32 main grads, which bounds
+            the wgrad by memory traffic at one sequence per micro-batch (docs/PERFORMANCE.md); deferred, they are
+            written once, by GEMMs over all the step's tokens. The same bits. Costs the operands held until the
+            step's last backward (1 byte per routed token and feature of both GEMMs' inputs and output gradients,
+            per micro-batch). Needs the experts' Triton FP8 wgrad (the rowwise recipe on an SM 9.0 GPU with triton)
+            and MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with fp32 main grads).
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
                  emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None,
                  fp8_dispatch: bool = False, cache_weights: bool = True, fast_accum: str = "fprop",
-                 fp8_param_gather: bool = False, fp8_wgrad: bool = True):
+                 fp8_param_gather: bool = False, fp8_wgrad: bool = True, defer_expert_wgrad: bool = False):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
         if fp8_format not in (None, "hybrid", "e4m3"):
@@ -108,6 +117,11 @@ class FP8Training(L.Callback):
             raise ValueError("FP8Training(recipe='blockwise', fp8_wgrad=False): the blockwise recipe's wgrad on "
                              "DeepGEMM already runs on bf16 tensor cores (from its 128-token tiles); use "
                              "fp8_wgrad=False with the tensorwise, delayed or rowwise recipe, or leave it on")
+        if defer_expert_wgrad and (recipe != "rowwise" or not fp8_wgrad):
+            raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_wgrad={fp8_wgrad}, defer_expert_wgrad=True): only "
+                             "the rowwise recipe's FP8 expert wgrad (Triton) can be deferred; use recipe='rowwise' "
+                             "with fp8_wgrad=True, or leave defer_expert_wgrad off")
+        self.defer_expert_wgrad = bool(defer_expert_wgrad)
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
         self.fp8_dispatch, self.cache_weights, self.fast_accum = fp8_dispatch, bool(cache_weights), fast_accum
@@ -137,6 +151,8 @@ class FP8Training(L.Callback):
             raise ValueError(f"FP8Training(recipe={self.recipe!r}) cannot run these layers: {problems[0]}"
                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
+        if self.defer_expert_wgrad:
+            self._check_defer([g for g in targets if g.grouped], device)
         gathered = []
         self._amaxes = fp8_gather.WeightAmaxes() if sharded is not None else None
         # under CUDA graphs a cached weight would be captured as it was at the capture and replayed stale: the
@@ -145,6 +161,7 @@ class FP8Training(L.Callback):
         cache = self.cache_weights and not graphs
         for g in targets:
             spec = self._spec(g, ctx)
+            spec.defer_wgrad = self.defer_expert_wgrad and g.grouped
             swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
             if cache:
                 self._cached.append(spec)
@@ -183,6 +200,8 @@ class FP8Training(L.Callback):
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
                        + f"; fast accumulation: {self.fast_accum}"
                        + ("; weight gradients unquantized (fp8_wgrad=False)" if not self.fp8_wgrad else "")
+                       + ("; the experts' wgrad once per optimizer step (defer_expert_wgrad)"
+                          if self.defer_expert_wgrad else "")
                        + (f"; DeepGEMM unavailable ({fp8_deepgemm.unavailable(device)})"
                           if self.recipe == "blockwise" and not emulate and device.type == "cuda"
                           and fp8_deepgemm.unavailable(device) else "")
@@ -193,6 +212,23 @@ class FP8Training(L.Callback):
             rank_zero_warn("FP8Training(fp8_param_gather=True): no FP8 weight is all-gathered in this layout (each "
                            "data-parallel group of the weights has one rank, or the distributed optimizer does not "
                            "gather them): the option has nothing to do here")
+
+    def _check_defer(self, grouped: list, device: torch.device) -> None:
+        """ValueError unless every FP8 expert GEMM takes the deferrable wgrad: the Triton FP8 wgrad into a main grad."""
+        if not grouped:
+            raise ValueError("FP8Training(defer_expert_wgrad=True): no expert GEMM runs in FP8 (none in the model, or "
+                             "all excluded); leave defer_expert_wgrad off")
+        if not _triton_wgrad_runs(self.recipe, grouped, device, self.emulate):
+            raise ValueError("FP8Training(defer_expert_wgrad=True) needs the experts' Triton FP8 wgrad, which runs on "
+                             f"SM 9.0 GPUs with triton installed and no emulation (here: {device.type}"
+                             + (f" {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+                             + f", emulate={self.emulate}); leave defer_expert_wgrad off")
+        unfused = [g.name for g in grouped if wgrad_fusion.sink_of(g.weight) is None]
+        if unfused:
+            raise ValueError(f"FP8Training(defer_expert_wgrad=True): {unfused[0]}'s weight gradient is not accumulated "
+                             "into an fp32 main grad by its GEMM; it needs MoEFoldStrategy's gradient-accumulation "
+                             "fusion (bf16 weights with fp32 main grads: precision='bf16-true', the default main "
+                             "params, no cuda_graphs)")
 
     def _param_gather_optimizer(self, trainer):
         """The distributed optimizer that gathers the weights; ValueError naming what is missing."""
@@ -267,6 +303,12 @@ class FP8Training(L.Callback):
         for d in self._dispatchers:
             d.__dict__.pop("fp8_dispatch", None)
         self._dispatchers = []
+
+
+def _triton_wgrad_runs(recipe: str, grouped: list, device: torch.device, emulate: Optional[bool]) -> bool:
+    """Whether every FP8 expert GEMM's wgrad runs on ``triton_fp8_wgrad`` (the deferrable one)."""
+    return (not emulate and device.type == "cuda" and importlib.util.find_spec("triton") is not None
+            and all(grouped_kernels.eligible(recipe, g.K, g.N, device) for g in grouped))
 
 
 def _shared_params(pl_module) -> set:

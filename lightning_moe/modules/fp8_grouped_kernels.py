@@ -16,7 +16,10 @@ quantizers, the wgrad instead runs on ``triton_fp8_wgrad`` (the same operands an
 128-row boundary for its TMA blocks). Under GradSync's gradient-accumulation fusion (bf16 weights with fp32 main grads,
 no autocast) it writes or adds into the fp32 main grad, where the CUTLASS kernel writes a bf16 gradient that GradSync
 then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TRITON_WGRAD=0``: the CUTLASS kernel,
-for comparisons). The forward and dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with
+for comparisons). With ``FP8Training(defer_expert_wgrad=True)`` the main grad's wgrad waits for the step's last
+backward (``GradSync.defer_wgrad``), which runs it once over every micro-batch's held FP8 operands
+(``triton_fp8_wgrad.wgrad_segments_into``, the same bits): the fp32 main grad is written once per step instead of read,
+added and written at every micro-batch. The forward and dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with
 CUTLASS's bits and faster, above all at fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``:
 CUTLASS's, for comparisons). There is no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for
 blockwise scales on Hopper: those GEMMs run emulated.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from lightning_moe.modules import wgrad_fusion
 from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
@@ -225,13 +229,39 @@ class _ScaledGroupedMM(torch.autograd.Function):
         a, b, fast = (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), spec.fast("wgrad")
         # never read under the fusion: it only fires GradSync's hook, which drops it
         dw = torch.empty_like(w_LKN)
-        if ctx.sync is not None:
+        if ctx.sync is not None and spec.defer_wgrad:  # held until the step's last backward
+            ctx.sync.defer_wgrad(ctx.param, (a, b, poffs_L),
+                                 lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast))
+        elif ctx.sync is not None:
             ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
                                                                                  per_expert=True, fast=fast))
         else:
             wk.wgrad_into(dw, a, b, poffs_L, True, per_expert=True, fast=fast)
         ctx.sync = ctx.param = None
         return dx.to(x_MK.dtype), dw, None, None, None, None
+
+
+def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool) -> None:
+    """``FP8Training(defer_expert_wgrad=True)``: the wgrad of every held micro-batch ((aT, sa), (bT, sb), padded
+    offsets) in one pass over the main grad, their operands side by side (``triton_fp8_wgrad.wgrad_segments_into``:
+    the bits of one kernel per micro-batch in order). The held operands go as soon as they are copied."""
+    if len(helds) == 1:  # no accumulation: the usual kernel
+        a, b, poffs_L = helds.pop()
+        wk.wgrad_into(main_LKN, a, b, poffs_L, first, per_expert=True, fast=fast)
+        return
+    starts, ends, base = [], [], 0
+    for (aT, _), _, poffs_L in helds:  # each micro-batch's expert ranges, shifted to its place (no host sync)
+        offs_L = poffs_L.to(torch.int32)
+        starts.append(F.pad(offs_L[:-1], (1, 0)) + base)
+        ends.append(offs_L + base)
+        base += aT.shape[1]
+    starts_SL, ends_SL = torch.stack(starts), torch.stack(ends)
+    sa, sb = torch.stack([h[0][1] for h in helds]), torch.stack([h[1][1] for h in helds])
+    aT = torch.cat([h[0][0] for h in helds], 1)
+    helds[:] = [(None, b, None) for _, b, _ in helds]
+    bT = torch.cat([h[1][0] for h in helds], 1)
+    helds.clear()
+    wk.wgrad_segments_into(main_LKN, (aT, sa), (bT, sb), starts_SL, ends_SL, first, fast=fast)
 
 
 def _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN) -> torch.Tensor:

@@ -56,6 +56,9 @@ class FP8Spec:
     # the experts' input layout: each expert's rows start on a multiple of this (ModelConfig.expert_rows_align); at a
     # multiple of 128 DeepGEMM reads the layout as it is (fp8_deepgemm.rows_aligned)
     rows_align: int = 1
+    # FP8Training(defer_expert_wgrad=True): the experts' FP8 wgrad runs once per optimizer step, at the step's last
+    # backward, over every micro-batch's held operands (``fp8_grouped_kernels``), writing the fp32 main grads once
+    defer_wgrad: bool = False
 
     def weight_amax(self, w: torch.Tensor) -> Optional[torch.Tensor]:
         """The amaxes of ``w``'s scale blocks (as an (R, C) grid) that the FP8 parameter all-gather quantized its
@@ -135,6 +138,27 @@ def _quantized(spec: FP8Spec, name: str, x_RK: torch.Tensor, t: Tiling, splits: 
     return tq.rowwise_quant(x_RK, fmt) if tq is not None else quantize(x_RK, fmt, t, amax)
 
 
+def _quantized_t(spec: FP8Spec, name: str, x_MR: torch.Tensor, t: Tiling, splits: tuple, fmt: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_quantized`` of ``x_MR^T`` (a wgrad operand, quantized along the tokens M). Where ``_one_pass``'s kernels run
+    (an amax reduced over the data ranks too), one kernel quantizes straight into that layout (``colwise_quant_t``,
+    the same bits) and the copy, a read and write of the operand, is never made."""
+    amax = spec.amax(name, x_MR.t(), t, *splits)  # the values of the copy, in another layout: the same amaxes
+    tq = _one_pass(x_MR, t, fmt, None)
+    return tq.colwise_quant_t(x_MR, fmt, amax) if tq is not None else quantize(x_MR.t().contiguous(), fmt, t, amax)
+
+
+def _mm_t(spec: FP8Spec, names: tuple[str, str], a_MN, b_MK, roles: tuple[str, str], fmts: tuple[str, str],
+          splits_a: tuple, splits_b: tuple, out_dtype, gemm: str) -> torch.Tensor:
+    """``_mm`` of ``a_MN^T`` and ``b_MK^T``, reduced over M (the wgrad), each operand quantized by ``_quantized_t``."""
+    ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
+    a_q = _quantized_t(spec, names[0], a_MN, ta, splits_a, fmts[0])
+    b_q = _quantized_t(spec, names[1], b_MK, tb, splits_b, fmts[1])
+    # given a_q, fp8_mm reads a only for its device (DeepGEMM's check): the view, not a copy
+    return fp8_mm(a_MN.t(), None, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, None, None, spec.fast(gemm),
+                  b_q=b_q, a_q=a_q)
+
+
 def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str], fmts: tuple[str, str],
         splits_a: tuple, splits_b: tuple, out_dtype, gemm: str, amax_b: Optional[torch.Tensor] = None,
         weight: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -184,8 +208,8 @@ class _FP8Linear(torch.autograd.Function):
         # to a multiple (they add nothing to the product and change no tile's amax)
         pad = (-x_MK.shape[0]) % BLOCK if spec.recipe == "blockwise" else 0
         dy_pad, x_pad = (F.pad(dy_MN, (0, 0, 0, pad)), F.pad(x_MK, (0, 0, 0, pad))) if pad else (dy_MN, x_MK)
-        dw = _mm(spec, ("dy_t", "x_t"), dy_pad.t().contiguous(), x_pad.t().contiguous(), ("grad", "input"),
-                 (bwd, fwd), (col, "data"), (row, "data"), w_NK.dtype, "wgrad")
+        dw = _mm_t(spec, ("dy_t", "x_t"), dy_pad, x_pad, ("grad", "input"), (bwd, fwd), (col, "data"), (row, "data"),
+                   w_NK.dtype, "wgrad")
         return dx.reshape(ctx.shape), dw, None
 
 

@@ -7,21 +7,25 @@ rowwise_quant_col_amax
                    both of the above from the same read of x           one read, one write
 quant_t_padded     q^T in the wgrad layout: expert e's rows at its 16-aligned padded start, transposed to (X, P),
                    zeros in the padding                                one read, one write
+colwise_quant_t    rowwise_quant(x^T) without the transposed copy: grouped_col_amax and quant_t_padded over one
+                   group (the dense linear's wgrad operands)           two reads, one write
 
 dequant_packed     x = q / scale of the FP8 dispatch's packed rows (``fp8_dispatch.unpack``)  one read, one write
 
-The wgrad operand is the last two with the scale (and any amax reduction over ranks) in between. Bit-exactness:
-products are single fp32 multiplies, the scale torch's correctly rounded reciprocal times FMAX, the clamp keeps NaNs as
-torch's does, and the cast rounds to nearest even as torch's does.
+The experts' wgrad operand is a column amax and quant_t_padded with the scale (and any amax reduction over ranks) in
+between. Bit-exactness: products are single fp32 multiplies, the scale torch's correctly rounded reciprocal times FMAX,
+the clamp keeps NaNs as torch's does, and the cast rounds to nearest even as torch's does.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from lightning_moe.modules.fp8 import _TINY, FORMATS
+from lightning_moe.modules.fp8 import _TINY, FORMATS, scale_of
 from lightning_moe.modules.kernels import interpreting
 
 
@@ -346,3 +350,17 @@ def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Ten
             poffs_L.to(torch.int32).contiguous(), gid_P.to(torch.int32).contiguous(), q, P, X, FMAX=fmax,
             BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, num_warps=warps, enable_fp_fusion=False)
     return q
+
+
+def colwise_quant_t(x_MK: torch.Tensor, fmt: str = "e4m3", amax_K1: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_KM, scale_K1)``: ``rowwise_quant(x_MK.t().contiguous(), fmt)``'s bits without that bf16 copy: the column
+    amaxes, then the values quantized straight into the transposed layout, all rows one group with no padding. The
+    scale is ``scale_of``'s, which ``rowwise_quant``'s ``_scale`` computes with the same roundings. ``amax_K1``: the
+    column amaxes to scale by instead (reduced over the ranks that hold other tokens): ``fp8.quantize``'s bits."""
+    M, K = x_MK.shape
+    offs_1 = torch.full((1,), M, device=x_MK.device, dtype=torch.int32)
+    gid_M = torch.zeros(M, device=x_MK.device, dtype=torch.int32)
+    amax_1K = grouped_col_amax(x_MK, offs_1, gid_M) if amax_K1 is None else amax_K1.float().reshape(1, K)
+    scale_1K = scale_of(amax_1K, fmt)
+    return quant_t_padded(x_MK, scale_1K, offs_1, offs_1, gid_M, M, fmt), scale_1K.reshape(-1, 1)

@@ -155,6 +155,63 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, o_desc
             acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
 
 
+
+@triton.jit
+def _segment_of(s, e, starts_ptr, ends_ptr, L, P, TB: tl.constexpr):
+    """Expert ``e``'s tokens in segment ``s``: (first token, 128-token blocks, steps). An empty one still takes one
+    step, at token P, past the end (TMA fills it with zeros), for its epilogue, which then adds nothing."""
+    start = tl.load(starts_ptr + s * L + e)
+    nk = (tl.load(ends_ptr + s * L + e) - start) // TB
+    return tl.where(nk > 0, start, P), nk, tl.maximum(nk, 1)
+
+
+@triton.jit
+def _fp8_wgrad_segments_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, starts_ptr, ends_ptr, K, N, L, S, P,
+                               ACC: tl.constexpr, FAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                               TB: tl.constexpr, GROUP_K: tl.constexpr, STAGES: tl.constexpr):
+    """The per-expert (rowwise) wgrad over S segments of tokens (the micro-batches of an optimizer step), each with
+    its own per-expert scales: one tile, one flat loop over its expert's blocks of every segment (the pipeline runs
+    on across segments), and at each segment's last block its product dequantized and added into an fp32 sum in
+    registers that starts from ``out`` (adding) or zero. The sums run in the order of S one-tile kernels, the first
+    writing (or adding) and the others adding: the same bits, with ``out`` read and written once."""
+    e = tl.program_id(1)
+    pk, pn = grouped_tile(tl.program_id(0), K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_ptrs = out_ptr + e.to(tl.int64) * K * N + rk[:, None].to(tl.int64) * N + rn[None, :]
+    o_mask = (rk[:, None] < K) & (rn[None, :] < N)
+    if ACC:
+        total = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    else:
+        total = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    steps = 0
+    for s in range(S):  # scalar pre-pass: the steps over all segments
+        steps += _segment_of(s, e, starts_ptr, ends_ptr, L, P, TB)[2]
+    s = 0
+    start, nk, nsteps = _segment_of(s, e, starts_ptr, ends_ptr, L, P, TB)
+    kk = 0
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for _ in tl.range(0, steps, num_stages=STAGES):
+        if kk == nsteps:  # the next segment (as the persistent kernel's next tile)
+            s += 1
+            start, nk, nsteps = _segment_of(s, e, starts_ptr, ends_ptr, L, P, TB)
+            kk = 0
+        t0 = start + kk * TB
+        last = kk == nsteps - 1
+        kk += 1
+        a = a_desc.load([pk * BLOCK_K, t0])
+        b = b_desc.load([pn * BLOCK_N, t0])
+        if FAST:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
+        if last:  # the segment's product with its scales (an empty segment's may be anything: nothing added)
+            sa = tl.load(sa_ptr + (s * L + e).to(tl.int64) * K + rk, mask=rk < K, other=0.0)
+            sb = tl.load(sb_ptr + (s * L + e).to(tl.int64) * N + rn, mask=rn < N, other=0.0)
+            total = tl.where(nk > 0, total + acc * sa[:, None] * sb[None, :], total)
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+
 # (BLOCK_K, BLOCK_N, warps, stages) per accumulation: the fastest of a sweep on one H100 at the Mixtral and Qwen3
 # expert shapes (``benchmarks/bench_fp8_wgrad.py``, docs/PERFORMANCE.md). Larger tiles spill once the per-block
 # promotion holds the block's product and the accumulator; the rowwise promotion runs best on one warpgroup.
@@ -252,3 +309,52 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     _fp8_wgrad_kernel[grid](da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,
                             offs_L.to(torch.int32), K, N, ACC=not first, PER_BLOCK=per_block, FAST=fast,
                             BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+
+
+# the segments kernel: two fp32 tiles live across its loop (the running sum and the segment's accumulator). Measured on
+# an H100 at bench_model's micro-batches (benchmarks/bench_fp8_wgrad_deferred.py): 64 x 128 tiles on one warpgroup,
+# 3 stages, fastest or level with the precise accumulation at Mixtral's and Qwen3's experts, and with the fast one at
+# Qwen3's (1,024 tokens per expert over the step); 128 x 128 on two warpgroups with the fast one at Mixtral's (4,096),
+# where the narrow tiles ran 0.76-0.93x. Neither spills (sm_90 compile, written)
+SEGMENTS_CONFIG, SEGMENTS_NARROW_CONFIG, SEGMENTS_WIDE_TOKENS = (128, 128, 8, 4), (64, 128, 4, 3), 2048
+
+
+def segments_config(tokens: int, experts: int, fast: bool) -> tuple:
+    """The segments kernel's default config for ``tokens`` tokens (all segments') over ``experts``."""
+    wide = fast and experts and tokens > SEGMENTS_WIDE_TOKENS * experts
+    return SEGMENTS_CONFIG if wide else SEGMENTS_NARROW_CONFIG
+
+
+@torch.no_grad()
+def wgrad_segments_into(out_LKN: torch.Tensor, a: tuple, b: tuple, starts_SL: torch.Tensor, ends_SL: torch.Tensor,
+                        first: bool, fast: bool = False, config: Optional[tuple] = None) -> None:
+    """``out[l] = sum over segments s of a_{s,l}^T b_{s,l}`` (``first``) or ``+=``, each segment's product
+    dequantized with its own per-expert scales: the micro-batches of an optimizer step in one pass over ``out``
+    (``fp8_grouped_kernels``' deferred wgrad), with the bits of one ``wgrad_into(..., per_expert=True)`` per segment
+    in order. ``a = (aT (K, P), sa (S, L, K))``, ``b`` likewise with N: every segment's tokens side by side;
+    ``starts``/``ends`` (S, L): each segment's expert's tokens, [start, end) in P, on 128-token boundaries.
+    ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default ``segments_config``'s."""
+    (aT, sa), (bT, sb) = a, b
+    if out_LKN.dim() != 3:
+        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)}: want (L, K, N), one (K, N) gradient per expert")
+    L, K, N = out_LKN.shape
+    S, P = starts_SL.shape[0], aT.shape[1]
+    if (not out_LKN.is_contiguous() or aT.shape != (K, P) or bT.shape != (N, P) or P % T
+            or sa.shape != (S, L, K) or sb.shape != (S, L, N) or starts_SL.shape != (S, L)
+            or ends_SL.shape != (S, L)):
+        raise ValueError(f"FP8 wgrad over segments: out {tuple(out_LKN.shape)} (contiguous), aT {tuple(aT.shape)}, "
+                         f"bT {tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}, starts "
+                         f"{tuple(starts_SL.shape)}, ends {tuple(ends_SL.shape)}: want (L, K, N), (K, P), (N, P) with "
+                         f"P a multiple of {T}, scales (S, L, K) and (S, L, N), starts and ends (S, L)")
+    if P == 0 or L == 0 or S == 0:
+        if first:
+            out_LKN.zero_()
+        return
+    bk, bn, warps, stages = config or segments_config(P, L, fast)
+    da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
+    db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
+    grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
+    _fp8_wgrad_segments_kernel[grid](
+        da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, starts_SL.to(torch.int32).contiguous(),
+        ends_SL.to(torch.int32).contiguous(), K, N, L, S, P, ACC=not first, FAST=fast, BLOCK_K=bk, BLOCK_N=bn,
+        TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)

@@ -92,6 +92,10 @@ class GradSync:
         self._seen: set[int] = set()  # params that received a gradient since the last finish() (main_grads mode)
         self.had_main_grad: set[int] = set()  # the same set, frozen by finish() for the optimizer step
         self._fused: set[int] = set()  # params whose wgrad GEMM wrote main_grad since their hook last fired
+        # defer_wgrad: param id -> (param, run, held operands of this step's micro-batches), and the params whose
+        # hook is due to drop a placeholder without main_grad written
+        self._deferred: dict[int, tuple] = {}
+        self._holding: set[int] = set()
         limit = bucket_mb * 2**20
         by_group: dict[str, list] = {"dp_cp": [], "tp_dp_cp": [], "edp": []}
         for p in reversed(self.params):  # roughly the order in which backward produces gradients
@@ -153,10 +157,13 @@ class GradSync:
         """Forget the main grads accumulated so far (the optimizer's ``zero_grad``): the next gradient overwrites."""
         self._seen.clear()
         self._fused.clear()
+        self._deferred.clear()
+        self._holding.clear()
 
     def release(self) -> None:
         """Drop the hooks and the main-grad buffers (end of training)."""
         self.remove_hooks()
+        self.discard()
         for p in self.params:
             wgrad_fusion.detach(p)
             if hasattr(p, "main_grad"):
@@ -196,9 +203,33 @@ class GradSync:
         write(p.main_grad, first)
         self._fused.add(id(p))
 
+    def defer_wgrad(self, p: torch.nn.Parameter, held, run) -> None:
+        """A fused GEMM's backward whose weight gradient can wait for the step's last backward: ``held`` (this
+        micro-batch's operands) is kept until p's last backward of the step (the armed one; under a pipeline schedule
+        the one ``expect_final`` names), where ``run(main, first, helds)`` puts (``first``) or adds every held
+        micro-batch's gradient into ``p.main_grad`` in one pass. Until then p's hook drops the placeholder gradient
+        and leaves main_grad as it is. ``finish`` runs what is still held (a last backward that never reached p)."""
+        helds = self._deferred.setdefault(id(p), (p, run, []))[2]
+        helds.append(held)
+        if self._armed and (self._final is None or id(p) in self._final):
+            del self._deferred[id(p)]
+            self.accumulate_wgrad(p, lambda main, first: run(main, first, helds))
+        else:
+            self._holding.add(id(p))
+
+    def _run_deferred(self) -> None:
+        for p, run, helds in self._deferred.values():
+            run(p.main_grad, id(p) not in self._seen, helds)
+            self._seen.add(id(p))
+        self._deferred.clear()
+
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self.main_grads:
+            if id(p) in self._holding:  # its wgrad waits for a later backward (defer_wgrad): p.grad is a placeholder
+                self._holding.discard(id(p))
+                p.grad = None
+                return
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
             if id(p) in self._fused:  # already in main_grad: p.grad is the fused GEMM's unread placeholder
                 self._fused.discard(id(p))
@@ -250,6 +281,7 @@ class GradSync:
 
         In main_grads mode the result is in ``p.main_grad`` for the params in ``had_main_grad``; ``p.grad`` stays
         None. Otherwise it is in ``p.grad`` (None for params that got no gradient on any rank's view)."""
+        self._run_deferred()
         for state in self.groups.values():
             self._launch_ready(state, force=True)
         for state in self.groups.values():

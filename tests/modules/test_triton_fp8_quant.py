@@ -15,7 +15,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600)
+    run_interpreted(__file__, timeout=600, passed=26)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -132,6 +132,52 @@ def test_wiring_helpers():
                             gid_P, P, "e4m3")
     _same_bytes(q, rq)
     assert torch.equal(s, rs)
+
+
+@inside
+@pytest.mark.parametrize("M,K,dtype", [(100, 48, torch.bfloat16), (256, 96, torch.bfloat16), (37, 200, torch.float32)])
+def test_colwise_quant_t(M, K, dtype):
+    """``colwise_quant_t``: ``rowwise_quant`` of the transposed copy, bit for bit (rows and columns not multiples of
+    the kernels' blocks, an all-zero column, the ties of ``_operand``'s rows)."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    x = _operand(M, K, dtype, M + K)
+    x[:, 5] = 0
+    q, s = tq.colwise_quant_t(x)
+    rq, rs = tq.rowwise_quant(x.t().contiguous())
+    _same_bytes(q, rq)
+    assert s.shape == rs.shape and s.dtype == rs.dtype and torch.equal(s, rs)
+    # column amaxes from elsewhere (reduced over data ranks): larger for some columns, smaller (saturating) for others
+    from lightning_moe.modules.fp8 import Tiling, quantize
+    amax_K1 = x.t().abs().amax(1, keepdim=True).float() * torch.linspace(0.5, 2.0, K).unsqueeze(1)
+    q, s = tq.colwise_quant_t(x, "e4m3", amax_K1)
+    rq, rs = quantize(x.t().contiguous(), "e4m3", Tiling(1, None), amax_K1)
+    _same_bytes(q, rq)
+    assert s.shape == rs.shape and torch.equal(s, rs)
+
+
+@inside
+@pytest.mark.parametrize("recipe,fp8_format,calls", [("rowwise", None, 2), ("rowwise", "hybrid", 1),
+                                                     ("tensorwise", None, 0)])
+def test_dense_linear_wgrad_quant_t(recipe, fp8_format, calls, monkeypatch):
+    """The dense FP8 linear's wgrad operands quantized straight into the transposed layout (``colwise_quant_t``)
+    against ``rowwise_quant`` of the transposed copies, as before: the same output, dgrad and wgrad, bit for bit. Each
+    operand on its own: hybrid's E5M2 gradient takes torch's quantization, tensorwise no kernel."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    x = _operand(100, 48, torch.bfloat16, 3)
+    w = (torch.randn(32, 48, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16()
+    dy = _operand(100, 32, torch.bfloat16, 5)
+    used, colwise = [], tq.colwise_quant_t
+    outs = []
+    for new in (True, False):
+        monkeypatch.setattr(tq, "colwise_quant_t", (lambda x_MK, fmt, amax=None: used.append(fmt) or colwise(x_MK, fmt, amax)) if new
+                            else (lambda x_MK, fmt, amax=None: tq.rowwise_quant(x_MK.t().contiguous(), fmt)))
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xi, wi, FP8Spec(recipe, fp8_format=fp8_format))
+        outs.append((y, *torch.autograd.grad(y, (xi, wi), dy)))
+    assert len(used) == calls
+    for a, b, name in zip(*outs, ("y", "dx", "dw")):
+        assert torch.equal(a, b), name
 
 
 def _check_pack_and_unpack(M, D, dtype, monkeypatch, exact_cast: bool, device: str = "cpu") -> None:

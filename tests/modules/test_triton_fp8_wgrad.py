@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=23)
+    run_interpreted(__file__, timeout=600, passed=29)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -177,3 +177,74 @@ def test_persistent_default_config_gives_the_one_tile_bits(first):
                   persistent=False)
     tw.wgrad_into(per, (aT, sa), (bT, sb), offs, first, per_expert=True, persistent=True)
     assert torch.equal(one, per)
+
+
+def _segments(seed: int = 5):
+    """Three micro-batches' operands side by side: experts of (256, 0, 128, 384), (128, 128, 0, 256) and (0, 0, 0,
+    128) tokens, each segment with its own per-expert scales (the empty experts' anything)."""
+    g = torch.Generator().manual_seed(seed)
+    K, N, L = 48, 40, 4
+    counts = [[256, 0, 128, 384], [128, 128, 0, 256], [0, 0, 0, 128]]
+    segs = []
+    for c in counts:
+        offs = torch.tensor(c).cumsum(0).to(torch.int32)
+        P = int(offs[-1])
+        sa, sb = torch.rand(L, K, generator=g) + 0.5, torch.rand(L, N, generator=g) + 0.5
+        for e, n in enumerate(c):
+            if not n:
+                sa[e], sb[e] = float("inf"), float("nan")
+        segs.append((torch.randn(K, P, generator=g), sa, torch.randn(N, P, generator=g), sb, offs))
+    base, starts, ends = 0, [], []
+    for *_, offs in segs:
+        ends.append(offs + base)
+        starts.append(torch.cat([offs.new_zeros(1), offs[:-1]]) + base)
+        base += int(offs[-1])
+    cat = (torch.cat([s[0] for s in segs], 1), torch.stack([s[1] for s in segs]),
+           torch.cat([s[2] for s in segs], 1), torch.stack([s[3] for s in segs]))
+    return segs, cat, torch.stack(starts), torch.stack(ends)
+
+
+@inside
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("config", [(32, 32, 4, 1), (16, 64, 4, 2)])
+def test_segments_give_one_kernel_per_segments_bits(first, config):
+    """The deferred wgrad (all micro-batches of a step in one pass) against one one-tile kernel per micro-batch, the
+    first writing (or adding) and the others adding: the same bits, the empty experts' scales never read into it."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    segs, (aT, sa, bT, sb), starts, ends = _segments()
+    start = torch.randn(4, aT.shape[0], bT.shape[0])
+    seq, one = start.clone(), start.clone()
+    for i, (a_, sa_, b_, sb_, offs) in enumerate(segs):
+        tw.wgrad_into(seq, (a_, sa_), (b_, sb_), offs, first and i == 0, per_expert=True, config=config,
+                      persistent=False)
+    tw.wgrad_segments_into(one, (aT, sa), (bT, sb), starts, ends, first, config=config)
+    # the one-tile kernel writes an empty expert's zero product times its scales (NaN here), the segments add nothing
+    full = [0, 2, 3] if first else [0, 1, 2, 3]
+    assert torch.equal(one[full], seq[full])
+    assert not torch.isnan(one).any()
+
+
+@inside
+def test_segments_refuse_bad_shapes_and_write_zeros_without_tokens():
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    segs, (aT, sa, bT, sb), starts, ends = _segments()
+    out = torch.randn(4, aT.shape[0], bT.shape[0])
+    with pytest.raises(ValueError, match="over segments"):
+        tw.wgrad_segments_into(out, (aT, sa[:2]), (bT, sb), starts, ends, True)
+    with pytest.raises(ValueError, match="over segments"):
+        tw.wgrad_segments_into(out, (aT, sa), (bT, sb), starts[:, :3], ends, True)
+    kept = out.clone()
+    tw.wgrad_segments_into(out, (aT[:, :0], sa), (bT[:, :0], sb), starts * 0, ends * 0, False)
+    assert torch.equal(out, kept)
+    tw.wgrad_segments_into(out, (aT[:, :0], sa), (bT[:, :0], sb), starts * 0, ends * 0, True)
+    assert not out.any()
+
+
+@inside
+def test_segments_config_by_tokens_per_expert_and_accumulation():
+    """64 x 128 tiles unless the fast accumulation runs over more than 2,048 tokens per expert (Mixtral's step)."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    assert tw.segments_config(4096 * 8, 8, fast=True) == tw.SEGMENTS_CONFIG
+    assert tw.segments_config(4096 * 8, 8, fast=False) == tw.SEGMENTS_NARROW_CONFIG
+    assert tw.segments_config(1024 * 128, 128, fast=True) == tw.SEGMENTS_NARROW_CONFIG
+    assert tw.segments_config(0, 0, fast=True) == tw.SEGMENTS_NARROW_CONFIG

@@ -1,0 +1,145 @@
+"""``GradSync.defer_wgrad`` (``FP8Training(defer_expert_wgrad=True)``): a fused GEMM's weight gradient held until
+the step's last backward, then put into the fp32 main grad in one pass over every held micro-batch. The FP8 kernels
+behind it run on a GPU (``tests/test_gpu_fp8.py``); here a GEMM of the same shape of call, and the callback's
+refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_moe import FP8Training
+from lightning_moe.callbacks import fp8_training
+from lightning_moe.strategy.grad_sync import GradSync
+from lightning_moe.strategy.parallel_context import ParallelContext
+from tests.callbacks.test_fp8_training import _lm, _start
+
+
+class _Deferred(torch.autograd.Function):
+    """``x @ w`` whose wgrad ``x^T dy`` goes through ``defer_wgrad``; ``runs`` records each run's (first, count)."""
+
+    @staticmethod
+    def forward(ctx, x, w, sync, runs):
+        ctx.save_for_backward(x)
+        ctx.w, ctx.sync, ctx.runs = w, sync, runs
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,), w = ctx.saved_tensors, ctx.w
+
+        def run(main, first, helds):
+            ctx.runs.append((first, len(helds)))
+            total = sum(a.t() @ b for a, b in helds)
+            main.copy_(total) if first else main.add_(total)
+
+        ctx.sync.defer_wgrad(w, (x.detach(), dy), run)
+        return dy @ w.t(), torch.empty_like(w), None, None
+
+
+def _setup():
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    sync = GradSync([w], ParallelContext.single(), main_grads=True)
+    return w, sync, []
+
+
+def _micro(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)) for _ in range(n)]
+
+
+def _backward(w, sync, runs, x, dy):
+    _Deferred.apply(x, w, sync, runs).backward(dy)
+
+
+def _want(batches):
+    return sum(x.t() @ dy for x, dy in batches)
+
+
+def test_held_until_the_armed_backward_then_one_pass_and_the_next_step_starts_over():
+    w, sync, runs = _setup()
+    for step in range(2):
+        batches = _micro(3, seed=step)
+        w.main_grad.fill_(float("nan"))  # never read: the deferred pass writes
+        for i, (x, dy) in enumerate(batches):
+            if i == 2:
+                sync.arm()
+            _backward(w, sync, runs, x, dy)
+            assert w.grad is None  # the placeholder was dropped
+            if i < 2:
+                assert torch.isnan(w.main_grad).all() and not runs  # held, main grad untouched
+        assert runs == [(True, 3)]
+        sync.finish()
+        torch.testing.assert_close(w.main_grad, _want(batches))
+        assert id(w) in sync.had_main_grad
+        sync.discard()
+        runs.clear()
+
+
+def test_one_micro_batch_runs_at_once():
+    w, sync, runs = _setup()
+    (x, dy), = _micro(1)
+    sync.arm()
+    _backward(w, sync, runs, x, dy)
+    assert runs == [(True, 1)]
+    sync.finish()
+    torch.testing.assert_close(w.main_grad, _want([(x, dy)]))
+
+
+def test_pipeline_schedule_runs_at_the_backward_expect_final_names():
+    w, sync, runs = _setup()
+    batches = _micro(3)
+    sync.arm()
+    sync.expect_final([])  # a pipeline schedule: every micro-batch's backward runs inside the armed step
+    for i, (x, dy) in enumerate(batches):
+        if i == 2:
+            sync.expect_final([w])
+        _backward(w, sync, runs, x, dy)
+        assert runs == ([(True, 3)] if i == 2 else [])
+    sync.finish()
+    torch.testing.assert_close(w.main_grad, _want(batches))
+
+
+def test_finish_runs_what_is_still_held_and_discard_drops_it():
+    w, sync, runs = _setup()
+    batches = _micro(2)
+    for x, dy in batches:
+        _backward(w, sync, runs, x, dy)
+    sync.arm()
+    sync.finish()  # the armed backward never reached w
+    assert runs == [(True, 2)] and id(w) in sync.had_main_grad
+    torch.testing.assert_close(w.main_grad, _want(batches))
+    sync.discard()
+    runs.clear()
+    _backward(w, sync, runs, *batches[0])
+    sync.discard()  # zero_grad without a step: the held micro-batch goes
+    sync.arm()
+    _backward(w, sync, runs, *batches[1])
+    assert runs == [(True, 1)]
+    sync.finish()
+    torch.testing.assert_close(w.main_grad, _want(batches[1:]))
+
+
+def test_callback_refuses_what_cannot_defer(monkeypatch):
+    for kwargs in (dict(recipe="tensorwise"), dict(recipe="blockwise"), dict(recipe="rowwise", fp8_wgrad=False)):
+        with pytest.raises(ValueError, match="only the rowwise recipe's FP8 expert wgrad"):
+            FP8Training(defer_expert_wgrad=True, **kwargs)
+    with pytest.raises(ValueError, match="needs the experts' Triton FP8 wgrad"):  # the CPU: emulated experts
+        _start(FP8Training("rowwise", defer_expert_wgrad=True), _lm())
+    with pytest.raises(ValueError, match="no expert GEMM runs in FP8"):
+        _start(FP8Training("rowwise", defer_expert_wgrad=True, exclude=["*experts*"]), _lm())
+    # where the kernel runs but no GradSync fuses the experts' wgrad into main grads (no MoEFoldStrategy here)
+    monkeypatch.setattr(fp8_training, "_triton_wgrad_runs", lambda *a: True)
+    with pytest.raises(ValueError, match="gradient-accumulation fusion"):
+        _start(FP8Training("rowwise", defer_expert_wgrad=True), _lm())
+    lm = _lm()
+    sync = GradSync([p for n, p in lm.named_parameters() if ".experts.w" in n], ParallelContext.single(),
+                    main_grads=True)
+    for n, p in lm.named_parameters():
+        if ".experts.w" in n:
+            p.main_grad_sink = lambda: sync  # as GradSync(fuse_wgrad=True) attaches it
+    cb = FP8Training("rowwise", defer_expert_wgrad=True)
+    _start(cb, lm)
+    specs = {n: vars(m)["_mm"].keywords["spec"] for n, m in lm.named_modules() if "_mm" in vars(m)}
+    experts = [n for n in specs if "experts.fc" in n]
+    assert experts and all(specs[n].defer_wgrad == (n in experts) for n in specs)  # the dense linears: not deferred
