@@ -2,9 +2,11 @@
 
   per_micro_batch  one ``triton_fp8_wgrad.wgrad_into`` per micro-batch with the default kernels: the first writes the
                    main grad, the others read, add and write it (gradient accumulation)
-  deferred         ``FP8Training(defer_expert_wgrad=True)``'s path: the held operands concatenated, then one
-                   ``wgrad_segments_into`` over all of them (each config of the sweep), which writes the main grad once
-  segments_only    the same kernel without the concatenation
+  deferred         ``FP8Training(defer_expert_wgrad=True)``'s path, which writes the main grad once with one
+                   ``wgrad_segments_into`` over every micro-batch's operands: ``_concatenated`` where they are separate
+                   tensors (the first step), ``_in_arena`` where they were quantized side by side into the arenas (the
+                   later steps)
+  segments_only    the kernel alone, over each config of the sweep
 
 at bench_model's micro-batch shapes (``bench_fp8_wgrad.SHAPES``: mixtral-b1, 1,024 tokens per expert, and qwen3-b2,
 512), balanced routing, S micro-batches each with its own scales. Prints JSON: median ms, TFLOP/s (2 S M K N FLOPs),
@@ -37,6 +39,7 @@ def main() -> None:
     from lightning_moe.modules.fp8 import scale_of
     from lightning_moe.modules.fp8_grouped import expert_of_rows
     from lightning_moe.modules.fp8_grouped_kernels import _wgrad_of_micro_batches
+    from lightning_moe.modules.fp8_linear import FP8Spec
     dev = torch.device("cuda")
     records = []
     for item in args.shapes.split(","):
@@ -62,6 +65,9 @@ def main() -> None:
             ends = torch.stack([offs + s * M for s in range(S)])
             a = (torch.cat([h[0][0] for h in helds], 1), torch.stack([h[0][1] for h in helds]))
             b = (torch.cat([h[1][0] for h in helds], 1), torch.stack([h[1][1] for h in helds]))
+            # the same operands as column slices of the arenas, as the steps after the first hold them
+            in_arena = [((a[0][:, s * M:(s + 1) * M], h[0][1]), (b[0][:, s * M:(s + 1) * M], h[1][1]), o)
+                        for s, (h, o) in enumerate(zip(helds, [offs] * S))]
 
             def rate(v):
                 return (round(v, 4), round(flop / v / 1e9, 1)) if isinstance(v, float) else v
@@ -75,8 +81,10 @@ def main() -> None:
                         tw.wgrad_into(main, ha, hb, o, i == 0, per_expert=True, fast=fast)
 
                 rec[f"per_micro_batch_{tag}"] = rate(timed(per_micro_batch, dev, args.iters))
-                rec[f"deferred_{tag}"] = rate(timed(
-                    lambda fast=fast: _wgrad_of_micro_batches(tw, main, True, list(helds), fast), dev, args.iters))
+                rec[f"deferred_concatenated_{tag}"] = rate(timed(lambda fast=fast: _wgrad_of_micro_batches(
+                    tw, main, True, list(helds), fast, FP8Spec("rowwise")), dev, args.iters))
+                rec[f"deferred_in_arena_{tag}"] = rate(timed(lambda fast=fast: _wgrad_of_micro_batches(
+                    tw, main, True, list(in_arena), fast, FP8Spec("rowwise")), dev, args.iters))
                 per_micro_batch()
                 ref = main.clone()
                 for c in SWEEP:
@@ -91,7 +99,7 @@ def main() -> None:
                         rec[key + "_bits_equal"] = f"{type(e).__name__}: {str(e)[:160]}"
             log(f"{name} {gemm}: {rec}")
             records.append(rec)
-            helds = a = b = main = None  # freed before the next GEMM's operands
+            helds = in_arena = a = b = main = None  # freed before the next GEMM's operands
             torch.cuda.empty_cache()
     emit({"benchmark": "fp8_wgrad_deferred", "env": env_info(dev), "records": records}, args.out)
 

@@ -16,7 +16,7 @@ models() {  # NAME PRESET FLAGS ROUNDS VARIANT...: each variant "name:flags", al
   for r in $(seq 1 "$rounds"); do
     for v in "$@"; do
       n=${v%%:*}; f=${v#*:}
-      timeout -k 10 150 python3 benchmarks/bench_model.py --preset "$preset" $flags --steps 5 --warmup-steps 2 $f \
+      timeout -k 10 150 python3 benchmarks/bench_model.py --preset "$preset" $flags --steps 8 --warmup-steps 2 $f \
         --out /tmp/m.json > "$OUT/${name}_${n}_$r.log" 2>&1
       echo "$name $n round $r rc=$?"
       python3 benchmarks/record_line.py /tmp/m.json "${name}_${n}_$r" \
@@ -39,7 +39,7 @@ for r in json.load(open(sys.argv[1]))["records"]:
     print(r["shape"], r["gemm"], {k: v for k, v in r.items() if "_" in k and k not in ("micro_batches",)})
 PY
   ;;
-mixtral) models mx mixtral-8x7b "--batch 1 --accumulate 4" "${ROUNDS:-2}" "bf16:" "fp8:--fp8 rowwise" \
+mixtral) models mx mixtral-8x7b "--batch 1 --accumulate 4" "${ROUNDS:-1}" "bf16:" "fp8:--fp8 rowwise" \
   "fp8_defer:--fp8 rowwise --fp8-defer-wgrad" ;;
 qwen3) models q3 qwen3-30b-a3b "--batch 2 --accumulate 2" "${ROUNDS:-1}" "bf16:" \
   "fp8:--fp8 rowwise --fp8-exclude *attn*" "fp8_defer:--fp8 rowwise --fp8-exclude *attn* --fp8-defer-wgrad" ;;

@@ -240,28 +240,37 @@ def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast):
         batches.append(((torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-1, 1, K, device="cuda")
                          ).bfloat16(), (torch.randn(M, N, device="cuda", generator=g) * 1e-3).bfloat16(), offs))
 
+    longer = [(torch.cat([x, x]), torch.cat([dy, dy]), offs * 2) for x, dy, offs in batches]  # 2x the tokens
+
     def run(defer: bool):
         p = torch.nn.Parameter(w.clone())
         p.wgrad_fusable = True
         sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
         spec = FP8Spec("rowwise", fast_accum=fast, defer_wgrad=defer)
-        out = []
-        for step in range(2):
+        out, arenas = [], []
+        # step 0 concatenates the held operands into arenas, step 1 quantizes into them (no concatenation), step 2's
+        # longer micro-batches do not fit (concatenated into larger arenas), step 3 fits those
+        for step, micro in enumerate((batches, batches, longer, batches)):
             dxs = []
-            for i, (x, dy, offs) in enumerate(batches):
-                if i == len(batches) - 1:
+            for i, (x, dy, offs) in enumerate(micro):
+                if i == len(micro) - 1:
                     sync.arm()
                 x = x.clone().requires_grad_()
                 fp8_grouped_mm(x, p, offs, spec).backward(dy * (step + 1))
                 dxs.append(x.grad)
             sync.finish()
             out.append((p.main_grad.clone(), dxs))
+            arenas.append(spec.wgrad_arena)
             sync.discard()
-        return out
+        return out, arenas
 
-    for (mg_d, dx_d), (mg, dx) in zip(run(True), run(False)):
+    (deferred, arenas), (plain, none) = run(True), run(False)
+    for (mg_d, dx_d), (mg, dx) in zip(deferred, plain):
         assert torch.equal(mg_d, mg) and mg.abs().sum() > 0
         assert all(torch.equal(a, b) for a, b in zip(dx_d, dx))
+    assert none == [None] * 4
+    assert arenas[1] is arenas[0] and arenas[3] is arenas[2]  # reused where they fit
+    assert arenas[2][0].shape[1] > arenas[0][0].shape[1]
 
 def _model(callback, **overrides):
     from lightning_moe.modules.lm import MoELanguageModel

@@ -130,6 +130,7 @@ class FP8Training(L.Callback):
         self._swapped: list = []
         self._specs: list = []  # specs reading the FP8 parameter all-gather's amaxes
         self._cached: list = []  # the GEMMs' specs, whose weight caches follow trainer.global_step
+        self._deferring: list = []  # the experts' specs with a deferred wgrad (and its arenas)
         self._dispatchers: list = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -162,6 +163,8 @@ class FP8Training(L.Callback):
         for g in targets:
             spec = self._spec(g, ctx)
             spec.defer_wgrad = self.defer_expert_wgrad and g.grouped
+            if spec.defer_wgrad:
+                self._deferring.append(spec)
             swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
             if cache:
                 self._cached.append(spec)
@@ -294,6 +297,9 @@ class FP8Training(L.Callback):
         for spec in self._cached:
             spec.step, spec.weights = None, {}
         self._cached.clear()
+        for spec in self._deferring:
+            spec.wgrad_arena = None
+        self._deferring.clear()
         for spec in self._specs:
             spec.presets = None
         self._specs.clear()

@@ -19,10 +19,10 @@ then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TR
 for comparisons). With ``FP8Training(defer_expert_wgrad=True)`` the main grad's wgrad waits for the step's last
 backward (``GradSync.defer_wgrad``), which runs it once over every micro-batch's held FP8 operands
 (``triton_fp8_wgrad.wgrad_segments_into``, the same bits): the fp32 main grad is written once per step instead of read,
-added and written at every micro-batch. The forward and dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with
-CUTLASS's bits and faster, above all at fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``:
-CUTLASS's, for comparisons). There is no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for
-blockwise scales on Hopper: those GEMMs run emulated.
+added and written at every micro-batch. The forward and dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton
+is installed, with CUTLASS's bits and faster, above all at fine-grained experts with the precise accumulation
+(``LMOE_FP8_TRITON_GEMM=0``: CUTLASS's, for comparisons). There is no grouped kernel for E5M2 operands (the hybrid
+format's gradients) nor for blockwise scales on Hopper: those GEMMs run emulated.
 
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
 of about six; ``triton_fp8_weights.py``: both weight copies in two passes instead of four) where triton is installed
@@ -142,13 +142,13 @@ def _rows_and_amax(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, s
 
 
 def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8Spec, name: str, fmt: str,
-                       amax_LX=None):
+                       amax_LX=None, out=None):
     """``_by_expert_t`` with rowwise scales in two passes: amax (or ``amax_LX``, taken with the rowwise pass), its
     reduction over the expert's data-parallel ranks (as ``tokens_amax``), then quantized straight into the transposed
-    padded layout."""
+    padded layout (into ``out``, an (X, P) view, where given)."""
     amax_LX = tq.grouped_col_amax(x_MX, offs, gid_M) if amax_LX is None else amax_LX
     scale_LX = scale_of(_reduced(amax_LX, spec, name, False, tokens=True), fmt)
-    return tq.quant_t_padded(x_MX, scale_LX, offs, poffs_L, gid_P, P, fmt), scale_LX
+    return tq.quant_t_padded(x_MX, scale_LX, offs, poffs_L, gid_P, P, fmt, out=out), scale_LX
 
 
 class _ScaledGroupedMM(torch.autograd.Function):
@@ -213,9 +213,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
         wk = _triton_wgrad(tq, dy_MN)
         dest_M, poffs_L, _, P = padded_layout(offs, M, wk.T if wk is not None else ALIGN)
         gid_P = expert_of_rows(P, poffs_L, x_MK.device)
+        defer = ctx.sync is not None and spec.defer_wgrad and wk is not None
         if tq is not None:
-            xT_KP, xs_LK = _by_expert_t_fused(tq, x_MK, offs, gid_M, poffs_L, gid_P, P, spec, "x_t", fwd, ctx.x_amax)
-            dyT_NP, ds_LN = _by_expert_t_fused(tq, dy_MN, offs, gid_M, poffs_L, gid_P, P, spec, "dy_t", bwd, dy_amax)
+            x_at, dy_at = _held_slots(spec, ctx.sync.held(ctx.param), K, N, P) if defer else (None, None)
+            xT_KP, xs_LK = _by_expert_t_fused(tq, x_MK, offs, gid_M, poffs_L, gid_P, P, spec, "x_t", fwd, ctx.x_amax,
+                                              x_at)
+            dyT_NP, ds_LN = _by_expert_t_fused(tq, dy_MN, offs, gid_M, poffs_L, gid_P, P, spec, "dy_t", bwd, dy_amax,
+                                               dy_at)
             ctx.x_amax = None
         else:
             xT_KP, xs_LK = _by_expert_t(x_MK, tokens_amax(x_MK, offs, t_in, spec, "x_t", row), dest_M, gid_P, P,
@@ -229,9 +233,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
         a, b, fast = (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), spec.fast("wgrad")
         # never read under the fusion: it only fires GradSync's hook, which drops it
         dw = torch.empty_like(w_LKN)
-        if ctx.sync is not None and spec.defer_wgrad:  # held until the step's last backward
+        if defer:  # held until the step's last backward
             ctx.sync.defer_wgrad(ctx.param, (a, b, poffs_L),
-                                 lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast))
+                                 lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec))
         elif ctx.sync is not None:
             ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
                                                                                  per_expert=True, fast=fast))
@@ -241,10 +245,35 @@ class _ScaledGroupedMM(torch.autograd.Function):
         return dx.to(x_MK.dtype), dw, None, None, None, None
 
 
-def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool) -> None:
+def _held_slots(spec: FP8Spec, helds: list, K: int, N: int, P: int) -> tuple:
+    """Where this micro-batch's held wgrad operands go: columns [base, base + P) of the GEMM's arenas ((K, C) and
+    (N, C) E4M3, ``spec.wgrad_arena``, kept from step to step), after the micro-batches held before it, so that the
+    deferred wgrad finds them side by side; (None, None), new tensors, where they do not fit (the first step, a longer
+    one), and the deferred wgrad concatenates them into the next step's arenas."""
+    arena, base = spec.wgrad_arena, sum(a[0].shape[1] for a, _, _ in helds)
+    if arena is None or arena[0].shape != (K, arena[0].shape[1]) or arena[1].shape[0] != N \
+            or arena[0].shape[1] < base + P:
+        return None, None
+    return arena[0][:, base:base + P], arena[1][:, base:base + P]
+
+
+def _side_by_side(ts: list):
+    """The (X, P_i) operands as one (X, sum P_i) view where they lie side by side in one buffer (``_held_slots``);
+    else None."""
+    first, width = ts[0], 0
+    for t in ts:
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.stride() != first.stride()
+                or t.storage_offset() != first.storage_offset() + width):
+            return None
+        width += t.shape[1]
+    return first.as_strided((first.shape[0], width), first.stride(), first.storage_offset())
+
+
+def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool, spec: FP8Spec) -> None:
     """``FP8Training(defer_expert_wgrad=True)``: the wgrad of every held micro-batch ((aT, sa), (bT, sb), padded
     offsets) in one pass over the main grad, their operands side by side (``triton_fp8_wgrad.wgrad_segments_into``:
-    the bits of one kernel per micro-batch in order). The held operands go as soon as they are copied."""
+    the bits of one kernel per micro-batch in order): in the arenas where ``_held_slots`` put them, else concatenated
+    into new arenas for the next step."""
     if len(helds) == 1:  # no accumulation: the usual kernel
         a, b, poffs_L = helds.pop()
         wk.wgrad_into(main_LKN, a, b, poffs_L, first, per_expert=True, fast=fast)
@@ -257,9 +286,10 @@ def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool) 
         base += aT.shape[1]
     starts_SL, ends_SL = torch.stack(starts), torch.stack(ends)
     sa, sb = torch.stack([h[0][1] for h in helds]), torch.stack([h[1][1] for h in helds])
-    aT = torch.cat([h[0][0] for h in helds], 1)
-    helds[:] = [(None, b, None) for _, b, _ in helds]
-    bT = torch.cat([h[1][0] for h in helds], 1)
+    aT, bT = _side_by_side([h[0][0] for h in helds]), _side_by_side([h[1][0] for h in helds])
+    if aT is None or bT is None:
+        aT, bT = torch.cat([h[0][0] for h in helds], 1), torch.cat([h[1][0] for h in helds], 1)
+        spec.wgrad_arena = (aT, bT)
     helds.clear()
     wk.wgrad_segments_into(main_LKN, (aT, sa), (bT, sb), starts_SL, ends_SL, first, fast=fast)
 

@@ -185,7 +185,7 @@ def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M
 
 
 @triton.jit
-def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X, FMAX: tl.constexpr,
+def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X, Q_STRIDE, FMAX: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr):
     """BLOCK_P padded positions x BLOCK_X columns: each position's expert (gid), its source row, a transposed
     store. Padding positions (past their expert's rows, or past the last expert) read zeros."""
@@ -205,7 +205,8 @@ def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X,
     s = tl.load(scale_ptr + g.to(tl.int64)[:, None] * X + cols[None, :], mask=pmask[:, None] & cmask[None, :],
                 other=1.0)
     q = _sat(x * s, FMAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + cols.to(tl.int64)[:, None] * P + p[None, :], tl.trans(q), mask=cmask[:, None] & pmask[None, :])
+    tl.store(q_ptr + cols.to(tl.int64)[:, None] * Q_STRIDE + p[None, :], tl.trans(q),
+             mask=cmask[:, None] & pmask[None, :])
 
 
 def rowwise_quant(x_MK: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,19 +336,24 @@ def rowwise_quant_col_amax(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torc
 
 
 def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
-                   gid_P: torch.Tensor, P: int, fmt: str = "e4m3", config: tuple = (128, 64, 4)) -> torch.Tensor:
+                   gid_P: torch.Tensor, P: int, fmt: str = "e4m3", config: tuple = (128, 64, 4),
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(X, P)``: ``saturate_rows_t(scatter_rows(x, dest, P), scale_LX, gid_P)``'s bits for the rows of experts
     (``poffs_L``/``gid_P``: ``padded_layout``'s ends and ``expert_of_rows(P, poffs_L)``); zeros elsewhere.
-    ``config``: (BLOCK_P, BLOCK_X, warps)."""
+    ``config``: (BLOCK_P, BLOCK_X, warps). ``out``: an (X, P) view to write into instead, its rows strided (columns of
+    a wider buffer: the deferred wgrad's micro-batches side by side)."""
     dtype, fmax = FORMATS[fmt]
     x_MX = x_MX.contiguous()
     X = x_MX.shape[1]
-    q = torch.empty(X, P, device=x_MX.device, dtype=dtype)
+    if out is not None and (out.shape != (X, P) or out.dtype != dtype or (P and out.stride(1) != 1)):
+        raise ValueError(f"quant_t_padded: out {tuple(out.shape)} {out.dtype} with strides {out.stride()}: want "
+                         f"({X}, {P}) {dtype} with unit column stride")
+    q = torch.empty(X, P, device=x_MX.device, dtype=dtype) if out is None else out
     BLOCK_P, BLOCK_X, warps = config
     if P and X:
         _quant_t_kernel[(triton.cdiv(P, BLOCK_P), triton.cdiv(X, BLOCK_X))](
             x_MX, scale_LX.float().contiguous(), offs_L.to(torch.int32).contiguous(),
-            poffs_L.to(torch.int32).contiguous(), gid_P.to(torch.int32).contiguous(), q, P, X, FMAX=fmax,
+            poffs_L.to(torch.int32).contiguous(), gid_P.to(torch.int32).contiguous(), q, P, X, q.stride(0), FMAX=fmax,
             BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, num_warps=warps, enable_fp_fusion=False)
     return q
 

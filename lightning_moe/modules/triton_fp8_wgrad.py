@@ -351,10 +351,17 @@ def wgrad_segments_into(out_LKN: torch.Tensor, a: tuple, b: tuple, starts_SL: to
             out_LKN.zero_()
         return
     bk, bn, warps, stages = config or segments_config(P, L, fast)
-    da = TensorDescriptor.from_tensor(aT.contiguous(), [bk, T])
-    db = TensorDescriptor.from_tensor(bT.contiguous(), [bn, T])
+    # column slices of wider buffers (the held operands' arenas) as they are: TMA takes any 16-byte row stride
+    da = TensorDescriptor.from_tensor(_rows_16(aT), [bk, T])
+    db = TensorDescriptor.from_tensor(_rows_16(bT), [bn, T])
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
     _fp8_wgrad_segments_kernel[grid](
         da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, starts_SL.to(torch.int32).contiguous(),
         ends_SL.to(torch.int32).contiguous(), K, N, L, S, P, ACC=not first, FAST=fast, BLOCK_K=bk, BLOCK_N=bn,
         TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+
+
+def _rows_16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where TMA reads it (unit column stride, rows on 16-byte multiples), else a contiguous copy."""
+    ok = t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    return t if ok else t.contiguous()

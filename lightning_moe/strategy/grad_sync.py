@@ -217,6 +217,11 @@ class GradSync:
         else:
             self._holding.add(id(p))
 
+    def held(self, p: torch.nn.Parameter) -> list:
+        """What ``defer_wgrad`` holds for ``p`` this step (in micro-batch order)."""
+        entry = self._deferred.get(id(p))
+        return entry[2] if entry is not None else []
+
     def _run_deferred(self) -> None:
         for p, run, helds in self._deferred.values():
             run(p.main_grad, id(p) not in self._seen, helds)

@@ -15,7 +15,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=26)
+    run_interpreted(__file__, timeout=600, passed=27)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -212,3 +212,27 @@ def test_fp8_dispatch_pack_and_unpack(M, D, dtype, monkeypatch):
     """``fp8_dispatch.pack`` / ``unpack`` through the kernels (rowwise_quant, dequant_packed) against their torch
     code: the same packed bytes, and the same dequantized values (E4M3 decoded from its bits, NaN kept)."""
     _check_pack_and_unpack(M, D, dtype, monkeypatch, exact_cast=False)
+
+
+
+@inside
+def test_quant_t_padded_into_a_column_slice():
+    """``quant_t_padded(out=...)``: the same bytes written into columns of a wider buffer (the deferred wgrad's arena),
+    the columns around them untouched; a view of the wrong shape, dtype or column stride is refused."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.expert_padding import padded_layout
+    from lightning_moe.modules.fp8_grouped import expert_of_rows
+    x = _operand(100, 48, torch.bfloat16, 8)
+    offs = torch.tensor([30, 30, 75, 100], dtype=torch.int32)
+    _, poffs, _, P = padded_layout(offs, 100, 16)
+    gid_P = expert_of_rows(P, poffs, x.device)
+    scale = torch.rand(4, 48) * 10 + 1
+    want = tq.quant_t_padded(x, scale, offs, poffs, gid_P, P)
+    wide = torch.full((48, P + 48), 7, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    got = tq.quant_t_padded(x, scale, offs, poffs, gid_P, P, out=wide[:, 16:16 + P])
+    assert got.data_ptr() == wide[:, 16:].data_ptr()
+    _same_bytes(wide[:, 16:16 + P], want)
+    assert (wide[:, :16].view(torch.uint8) == 7).all() and (wide[:, 16 + P:].view(torch.uint8) == 7).all()
+    for bad in (wide[:, :P - 1], wide[:, :P].view(torch.uint8), torch.empty(P, 48, dtype=wide.dtype).t()):
+        with pytest.raises(ValueError, match="unit column stride"):
+            tq.quant_t_padded(x, scale, offs, poffs, gid_P, P, out=bad)

@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=29)
+    run_interpreted(__file__, timeout=600, passed=30)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -248,3 +248,20 @@ def test_segments_config_by_tokens_per_expert_and_accumulation():
     assert tw.segments_config(4096 * 8, 8, fast=False) == tw.SEGMENTS_NARROW_CONFIG
     assert tw.segments_config(1024 * 128, 128, fast=True) == tw.SEGMENTS_NARROW_CONFIG
     assert tw.segments_config(0, 0, fast=True) == tw.SEGMENTS_NARROW_CONFIG
+
+
+
+@inside
+def test_segments_read_column_slices_of_a_wider_buffer():
+    """The held operands in their arenas: (K, P) column slices of a (K, C) buffer, read in place (TMA strides), with
+    the bits of the contiguous copies."""
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    _, (aT, sa, bT, sb), starts, ends = _segments(seed=6)
+    P = aT.shape[1]
+    wide_a, wide_b = torch.full((aT.shape[0], P + 256), float("nan")), torch.full((bT.shape[0], P + 256), float("nan"))
+    wide_a[:, :P], wide_b[:, :P] = aT, bT
+    dense, strided = torch.zeros(4, aT.shape[0], bT.shape[0]), torch.zeros(4, aT.shape[0], bT.shape[0])
+    tw.wgrad_segments_into(dense, (aT, sa), (bT, sb), starts, ends, True, config=(32, 32, 4, 1))
+    tw.wgrad_segments_into(strided, (wide_a[:, :P], sa), (wide_b[:, :P], sb), starts, ends, True, config=(32, 32, 4, 1))
+    assert tw._rows_16(wide_a[:, :P]).data_ptr() == wide_a.data_ptr()  # no copy
+    assert torch.equal(dense, strided)

@@ -143,3 +143,26 @@ def test_callback_refuses_what_cannot_defer(monkeypatch):
     specs = {n: vars(m)["_mm"].keywords["spec"] for n, m in lm.named_modules() if "_mm" in vars(m)}
     experts = [n for n in specs if "experts.fc" in n]
     assert experts and all(specs[n].defer_wgrad == (n in experts) for n in specs)  # the dense linears: not deferred
+
+
+def test_held_operands_go_side_by_side_into_the_arenas():
+    """``_held_slots``: each micro-batch's operands at the next columns of the GEMM's arenas, while they fit;
+    ``_side_by_side``: the held slices as one view of the arena (no concatenation), None for separate tensors."""
+    from lightning_moe.modules.fp8_grouped_kernels import _held_slots, _side_by_side
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    K, N, P = 4, 6, 128
+    spec = FP8Spec("rowwise", defer_wgrad=True)
+    assert _held_slots(spec, [], K, N, P) == (None, None)  # the first step: new tensors
+    spec.wgrad_arena = (torch.zeros(K, 3 * P), torch.zeros(N, 3 * P))
+    helds = []
+    for i in range(3):
+        a, b = _held_slots(spec, helds, K, N, P)
+        assert a.shape == (K, P) and b.shape == (N, P) and a.data_ptr() == spec.wgrad_arena[0][:, i * P].data_ptr()
+        a.fill_(i)
+        helds.append(((a, None), (b, None), None))
+    assert _held_slots(spec, helds, K, N, P) == (None, None)  # a fourth does not fit
+    assert _held_slots(spec, [], K + 1, N, P) == (None, None)  # another GEMM's shape
+    whole = _side_by_side([h[0][0] for h in helds])
+    assert whole.data_ptr() == spec.wgrad_arena[0].data_ptr() and torch.equal(whole[:, P:2 * P], torch.ones(K, P))
+    assert _side_by_side([torch.zeros(K, P), torch.zeros(K, P)]) is None
+    assert _side_by_side([helds[1][0][0], helds[0][0][0]]) is None  # out of order
