@@ -30,6 +30,15 @@ def padded_layout(offs_L: torch.Tensor, M: int, align: int
     return dest_M, pends_L, gid_M, -(-M // align) * align + align * L
 
 
+def padded_ends(offs_L: torch.Tensor, M: int, align: int) -> tuple[torch.Tensor, int]:
+    """``padded_layout``'s padded cumulative ends (int32) and P alone, for kernels that place each row themselves from
+    the ends (``triton_fp8_quant.quant_t_padded``): a few launches where the rows' places take about twenty."""
+    offs_L = offs_L.to(torch.int32)
+    counts_L = torch.diff(offs_L, prepend=offs_L.new_zeros(1))
+    pends_L = torch.cumsum((counts_L + align - 1) // align * align, 0, dtype=torch.int32)
+    return pends_L, -(-M // align) * align + align * offs_L.numel()
+
+
 def scatter_rows(x_MK: torch.Tensor, dest_M: torch.Tensor, P: int) -> torch.Tensor:
     """``x``'s rows at ``dest`` in P zero rows (FP8 rows move as bytes: index ops need no FP8 kernels)."""
     raw = x_MK.view(torch.uint8) if x_MK.element_size() == 1 else x_MK

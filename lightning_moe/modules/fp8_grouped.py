@@ -179,8 +179,13 @@ def emulated_wgrad(x_MK, dy_MN, offs_L, gid_M, spec: FP8Spec) -> torch.Tensor:
     return _wgrad(xq, dyq, offs_L, gid_M)
 
 
-def expert_of_rows(M: int, offs_L: torch.Tensor, device) -> torch.Tensor:
+def expert_of_rows(M: int, offs_L: torch.Tensor, device, int32: bool = False) -> torch.Tensor:
+    """Each of M rows' expert (rows past the last end: the last expert), int64 (``int32``: as int32 ``offs_L``, for
+    the kernels, without a conversion)."""
     L = offs_L.numel()
+    if int32:
+        rows_M = torch.arange(M, device=device, dtype=torch.int32)
+        return torch.bucketize(rows_M, offs_L.to(torch.int32), right=True, out_int32=True).clamp_(max=L - 1)
     return torch.bucketize(torch.arange(M, device=device), offs_L.to(torch.int64), right=True).clamp_(max=L - 1)
 
 

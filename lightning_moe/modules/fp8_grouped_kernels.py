@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.modules import wgrad_fusion
-from lightning_moe.modules.expert_padding import padded_layout, scatter_rows
+from lightning_moe.modules.expert_padding import padded_ends, padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
 from lightning_moe.modules.fp8_grouped import (_cast, _reduced, _wgrad, emulated_dgrad, emulated_wgrad,
                                                expert_of_rows, rows_amax, tokens_amax, weights_amax)
@@ -159,13 +159,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         offs = offs_L.to(torch.int32)
-        gid_M = expert_of_rows(M, offs, x_MK.device)
+        tq = _quant_kernels(spec, x_MK)
+        gid_M = expert_of_rows(M, offs, x_MK.device, int32=tq is not None)  # int32: as the quantizers read it
         ctx.save_for_backward(x_MK, w_LKN, offs, gid_M)
         ctx.spec = spec
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
-        xq, xs, ctx.x_amax = _rows_and_amax(_quant_kernels(spec, x_MK), x_MK, offs, gid_M, spec, "input", "x", row,
-                                            fwd, wgrad)
+        xq, xs, ctx.x_amax = _rows_and_amax(tq, x_MK, offs, gid_M, spec, "input", "x", row, fwd, wgrad)
         def quantize_w():
             ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
             dtype, fmax = FORMATS[fwd]
@@ -211,8 +211,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
             return dx.to(x_MK.dtype), dw, None, None, None, None
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries (128 for the Triton kernel's blocks)
         wk = _triton_wgrad(tq, dy_MN)
-        dest_M, poffs_L, _, P = padded_layout(offs, M, wk.T if wk is not None else ALIGN)
-        gid_P = expert_of_rows(P, poffs_L, x_MK.device)
+        align = wk.T if wk is not None else ALIGN
+        if tq is not None:  # the kernels place each row from the padded ends (int32, as they read them)
+            poffs_L, P = padded_ends(offs, M, align)
+        else:
+            dest_M, poffs_L, _, P = padded_layout(offs, M, align)
+        gid_P = expert_of_rows(P, poffs_L, x_MK.device, int32=tq is not None)
         defer = ctx.sync is not None and spec.defer_wgrad and wk is not None
         if tq is not None:
             x_at, dy_at = _held_slots(spec, ctx.sync.held(ctx.param), K, N, P) if defer else (None, None)
