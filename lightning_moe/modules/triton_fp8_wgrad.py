@@ -72,6 +72,17 @@ def _fp8_wgrad_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, K, N, A
 
 
 @triton.jit
+def _block_mma(a_desc, b_desc, k0, n0, t0, acc, FAST: tl.constexpr, TB: tl.constexpr):
+    """One 128-token block's MMA of the per-expert kernels: ``acc`` plus the block's product, accumulated fast or
+    promoted into fp32 after the block (as the one-tile kernel, and CUTLASS's non-fast-accumulation kernels)."""
+    a = a_desc.load([k0, t0])
+    b = b_desc.load([n0, t0])
+    if FAST:
+        return tl.dot(a, tl.trans(b), acc)
+    return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
+
+
+@triton.jit
 def _tile_of(t, offs_ptr, K, N, L, P, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TB: tl.constexpr,
              GROUP_K: tl.constexpr):
     """Tile ``t`` of all experts' tiles: (expert, K tile, N tile, first token, 128-token blocks, steps). An expert
@@ -120,12 +131,7 @@ def _fp8_wgrad_persistent_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, o_desc
         # keeps triton from pipelining the loop)
         last = kk == nsteps - 1
         kk += 1
-        a = a_desc.load([pk * BLOCK_K, t0])
-        b = b_desc.load([pn * BLOCK_N, t0])
-        if FAST:
-            acc = tl.dot(a, tl.trans(b), acc)
-        else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
+        acc = _block_mma(a_desc, b_desc, pk * BLOCK_K, pn * BLOCK_N, t0, acc, FAST, TB)
         # the tile's last block: its epilogue, then the accumulator's reset inside the branch (a reset by a select in
         # every step makes each step wait for its MMA, where the branch lets one MMA stay in flight across steps)
         if last:
@@ -199,12 +205,7 @@ def _fp8_wgrad_segments_kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, starts_p
         t0 = start + kk * TB
         last = kk == nsteps - 1
         kk += 1
-        a = a_desc.load([pk * BLOCK_K, t0])
-        b = b_desc.load([pn * BLOCK_N, t0])
-        if FAST:
-            acc = tl.dot(a, tl.trans(b), acc)
-        else:  # promoted into fp32 after each block of TB tokens, as the one-tile kernel
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=TB)
+        acc = _block_mma(a_desc, b_desc, pk * BLOCK_K, pn * BLOCK_N, t0, acc, FAST, TB)
         if last:  # the segment's product with its scales (an empty segment's may be anything: nothing added)
             sa = tl.load(sa_ptr + (s * L + e).to(tl.int64) * K + rk, mask=rk < K, other=0.0)
             sb = tl.load(sb_ptr + (s * L + e).to(tl.int64) * N + rn, mask=rn < N, other=0.0)

@@ -104,3 +104,30 @@ def test_persistent_narrow_config_is_pipelined_and_two_fit(fast, acc):
     assert ir.count("ttng.async_tma_copy_global_to_local") == 2 * stages
     assert _in_flight(ir)
     assert 2 * (compiled.metadata.shared + 1024) <= 228 * 1024
+
+
+@nvidia
+@pytest.mark.parametrize("config_name", ["SEGMENTS_CONFIG", "SEGMENTS_NARROW_CONFIG"])
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("acc", [False, True])
+def test_segments_wgrad_is_pipelined_across_segments(config_name, fast, acc):
+    """The deferred wgrad's kernel (one flat loop over every micro-batch's blocks of a tile's expert): pipelined, one
+    MMA in flight, in both default configs, within Hopper's shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from lightning_moe.modules import triton_fp8_wgrad as tw
+    bk, bn, warps, stages = getattr(tw, config_name)
+    kernel = tw._fp8_wgrad_segments_kernel
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bk}, 128]>", "sa_ptr": "*fp32", "b_desc": f"tensordesc<fp8e4nv[{bn}, 128]>",
+           "sb_ptr": "*fp32", "out_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i32", "K": "i32", "N": "i32",
+           "L": "i32", "S": "i32", "P": "i32"}
+    const = {"ACC": acc, "FAST": fast, "BLOCK_K": bk, "BLOCK_N": bn, "TB": 128, "GROUP_K": 8, "STAGES": stages}
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(kernel.arg_names.index(k),): [["tt.divisibility", 16]]
+             for k in ("sa_ptr", "sb_ptr", "out_ptr", "starts_ptr", "ends_ptr", "K", "N", "P")}
+    compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    ir = compiled.asm["ttgir"]
+    assert ir.count("ttng.async_tma_copy_global_to_local") == 2 * stages
+    assert _in_flight(ir)
+    assert compiled.metadata.shared <= 232448
