@@ -34,6 +34,7 @@ from lightning_moe.modules.dispatchers import AllToAllDispatcher
 from lightning_moe.modules.fp8 import FAST_ACCUM, RECIPES
 from lightning_moe.modules.fp8_grouped import check_dims, fp8_grouped_mm
 from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+from lightning_moe.modules.kernels import interpreting
 from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from lightning_moe.strategy import fp8_param_gather as fp8_gather
@@ -87,7 +88,9 @@ class FP8Training(L.Callback):
             written once, by GEMMs over all the step's tokens. The same bits. Costs the operands held until the
             step's last backward (1 byte per routed token and feature of both GEMMs' inputs and output gradients,
             per micro-batch). Needs the experts' Triton FP8 wgrad (the rowwise recipe on an SM 9.0 GPU with triton)
-            and MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with fp32 main grads).
+            and MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with fp32 main grads). With bf16 main
+            grads (the distributed optimizer's bf16 main params) the sum is rounded to bf16 once per step instead of
+            once per micro-batch: not the same bits, closer ones.
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
@@ -153,7 +156,7 @@ class FP8Training(L.Callback):
                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
         if self.defer_expert_wgrad:
-            self._check_defer([g for g in targets if g.grouped], device)
+            self._check_defer(trainer, [g for g in targets if g.grouped], device)
         gathered = []
         self._amaxes = fp8_gather.WeightAmaxes() if sharded is not None else None
         # under CUDA graphs a cached weight would be captured as it was at the capture and replayed stale: the
@@ -216,22 +219,30 @@ class FP8Training(L.Callback):
                            "data-parallel group of the weights has one rank, or the distributed optimizer does not "
                            "gather them): the option has nothing to do here")
 
-    def _check_defer(self, grouped: list, device: torch.device) -> None:
-        """ValueError unless every FP8 expert GEMM takes the deferrable wgrad: the Triton FP8 wgrad into a main grad."""
-        if not grouped:
-            raise ValueError("FP8Training(defer_expert_wgrad=True): no expert GEMM runs in FP8 (none in the model, or "
-                             "all excluded); leave defer_expert_wgrad off")
-        if not _triton_wgrad_runs(self.recipe, grouped, device, self.emulate):
-            raise ValueError("FP8Training(defer_expert_wgrad=True) needs the experts' Triton FP8 wgrad, which runs on "
-                             f"SM 9.0 GPUs with triton installed and no emulation (here: {device.type}"
-                             + (f" {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
-                             + f", emulate={self.emulate}); leave defer_expert_wgrad off")
-        unfused = [g.name for g in grouped if wgrad_fusion.sink_of(g.weight) is None]
-        if unfused:
-            raise ValueError(f"FP8Training(defer_expert_wgrad=True): {unfused[0]}'s weight gradient is not accumulated "
-                             "into an fp32 main grad by its GEMM; it needs MoEFoldStrategy's gradient-accumulation "
-                             "fusion (bf16 weights with fp32 main grads: precision='bf16-true', the default main "
-                             "params, no cuda_graphs)")
+    def _check_defer(self, trainer, grouped: list, device: torch.device) -> None:
+        """ValueError, on every rank, unless every trainable FP8 expert GEMM takes the deferrable wgrad: the Triton FP8
+        wgrad into a main grad. A rank without one (a pipeline stage of dense layers) has nothing to defer."""
+        trained = [g for g in grouped if g.weight.requires_grad]
+        why = None
+        if trained and not _triton_wgrad_runs(self.recipe, trained, device, self.emulate):
+            why = ("FP8Training(defer_expert_wgrad=True) needs the experts' Triton FP8 wgrad: an SM 9.0 GPU with "
+                   "triton, expert GEMM dims that are multiples of 16, no emulation, and LMOE_FP8_TRITON_WGRAD / "
+                   f"LMOE_FP8_TRITON_QUANT not 0 (here: {device.type}"
+                   + (f" {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+                   + f", emulate={self.emulate}, dims {sorted({(g.K, g.N) for g in trained})}); leave "
+                   "defer_expert_wgrad off")
+        unfused = [g.name for g in trained if wgrad_fusion.sink_of(g.weight) is None]
+        if why is None and unfused:
+            why = (f"FP8Training(defer_expert_wgrad=True): {unfused[0]}'s weight gradient is not accumulated into a "
+                   "main grad by its GEMM; it needs MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with "
+                   "fp32 main grads: precision='bf16-true', the default main params, no cuda_graphs)")
+        # the same answer on every rank (pipeline stages hold different layers): no rank may raise alone
+        n_trained, n_bad = _sum_over_ranks(trainer, [len(trained), why is not None], device)
+        if not n_trained:
+            raise ValueError("FP8Training(defer_expert_wgrad=True): no trainable expert GEMM runs in FP8 (none in the "
+                             "model, all excluded, or frozen); leave defer_expert_wgrad off")
+        if n_bad:
+            raise ValueError(why or "FP8Training(defer_expert_wgrad=True) cannot run on another rank (see its error)")
 
     def _param_gather_optimizer(self, trainer):
         """The distributed optimizer that gathers the weights; ValueError naming what is missing."""
@@ -312,9 +323,19 @@ class FP8Training(L.Callback):
 
 
 def _triton_wgrad_runs(recipe: str, grouped: list, device: torch.device, emulate: Optional[bool]) -> bool:
-    """Whether every FP8 expert GEMM's wgrad runs on ``triton_fp8_wgrad`` (the deferrable one)."""
+    """Whether every FP8 expert GEMM's wgrad runs on ``triton_fp8_wgrad`` (the deferrable one): the Triton quantizers
+    and wgrad switched on (``fp8_grouped_kernels``), compiled (not interpreted), on the rowwise kernel's GPUs."""
     return (not emulate and device.type == "cuda" and importlib.util.find_spec("triton") is not None
+            and grouped_kernels.FUSED_QUANT and grouped_kernels.TRITON_WGRAD and not interpreting()
             and all(grouped_kernels.eligible(recipe, g.K, g.N, device) for g in grouped))
+
+
+def _sum_over_ranks(trainer, values: list, device: torch.device) -> list:
+    """``values`` (ints) summed over every rank (as they are where the strategy has no collectives)."""
+    reduce = getattr(trainer.strategy, "reduce", None)
+    if reduce is None:
+        return [int(v) for v in values]
+    return [int(v) for v in reduce(torch.tensor([int(v) for v in values], device=device), reduce_op="sum").tolist()]
 
 
 def _shared_params(pl_module) -> set:

@@ -255,8 +255,7 @@ def _held_slots(spec: FP8Spec, helds: list, K: int, N: int, P: int) -> tuple:
     deferred wgrad finds them side by side; (None, None), new tensors, where they do not fit (the first step, a longer
     one), and the deferred wgrad concatenates them into the next step's arenas."""
     arena, base = spec.wgrad_arena, sum(a[0].shape[1] for a, _, _ in helds)
-    if arena is None or arena[0].shape != (K, arena[0].shape[1]) or arena[1].shape[0] != N \
-            or arena[0].shape[1] < base + P:
+    if arena is None or arena[0].shape[0] != K or arena[1].shape[0] != N or arena[0].shape[1] < base + P:
         return None, None
     return arena[0][:, base:base + P], arena[1][:, base:base + P]
 

@@ -5,6 +5,8 @@ refusals."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -126,8 +128,22 @@ def test_callback_refuses_what_cannot_defer(monkeypatch):
             FP8Training(defer_expert_wgrad=True, **kwargs)
     with pytest.raises(ValueError, match="needs the experts' Triton FP8 wgrad"):  # the CPU: emulated experts
         _start(FP8Training("rowwise", defer_expert_wgrad=True), _lm())
-    with pytest.raises(ValueError, match="no expert GEMM runs in FP8"):
+    with pytest.raises(ValueError, match="no trainable expert GEMM runs in FP8"):
         _start(FP8Training("rowwise", defer_expert_wgrad=True, exclude=["*experts*"]), _lm())
+    frozen = _lm()
+    for n, p in frozen.named_parameters():
+        p.requires_grad_(".experts.w" not in n)
+    with pytest.raises(ValueError, match="no trainable expert GEMM runs in FP8"):
+        _start(FP8Training("rowwise", defer_expert_wgrad=True), frozen)
+    # a pipeline stage without FP8 experts, where another rank has four: nothing to defer here, no refusal
+    others = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"),
+                                                      reduce=lambda t, reduce_op: t + torch.tensor([4, 0])))
+    FP8Training("rowwise", defer_expert_wgrad=True, exclude=["*experts*"]).on_fit_start(others, _lm())
+    # ... and a rank that can defer while another cannot: refused here too (no rank may raise alone)
+    broken = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"),
+                                                      reduce=lambda t, reduce_op: t + torch.tensor([4, 1])))
+    with pytest.raises(ValueError, match="cannot run on another rank"):
+        FP8Training("rowwise", defer_expert_wgrad=True, exclude=["*experts*"]).on_fit_start(broken, _lm())
     # where the kernel runs but no GradSync fuses the experts' wgrad into main grads (no MoEFoldStrategy here)
     monkeypatch.setattr(fp8_training, "_triton_wgrad_runs", lambda *a: True)
     with pytest.raises(ValueError, match="gradient-accumulation fusion"):
