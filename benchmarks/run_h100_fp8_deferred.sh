@@ -2,9 +2,10 @@
 # One H100, issue 19 (tenth session of 2026-11-26): the experts' FP8 wgrad once per optimizer step
 # (FP8Training(defer_expert_wgrad=True)) and the dense FP8 wgrad quantized straight into its transposed layout.
 # Parts, in the order given (default: all):
-#   tests    the GPU tests of both (tests/test_gpu_fp8.py -k "segments or deferred", tests/test_gpu_fp8_quant.py)
+#   tests    the GPU tests of both (tests/test_gpu_fp8.py, tests/test_gpu_fp8_quant.py)
 #   kernel   bench_fp8_wgrad_deferred.py: per micro-batch against deferred, at bench_model's micro-batch shapes
-#   mixtral  mixtral-8x7b 2 layers (1 x 4 micro-batches): bf16, FP8 rowwise, FP8 rowwise deferred, alternating twice
+#   mixtral  mixtral-8x7b 2 layers (1 x 4 micro-batches): bf16, FP8 rowwise, FP8 rowwise deferred (ROUNDS=n: n times,
+#            alternating; default once), 8 steps each
 #   qwen3    qwen3-30b-a3b 4 layers (2 x 2 micro-batches), attention in bf16: the same three
 # Usage (repo root): OUT=dir bash benchmarks/run_h100_fp8_deferred.sh [tests] [kernel] [mixtral] [qwen3]
 set -uo pipefail
