@@ -6,8 +6,9 @@ GPU waits for the host, so the wall time per call is the host's. Rowwise recipe,
   dense    ``fp8_linear`` forward + backward
   bf16     the same GEMMs in bf16 (``grouped_linear`` into the main grads; ``wgrad_fusion.linear``), for comparison
 
-Prints JSON: host microseconds per forward + backward of each, and cProfile's top functions by own time for the FP8
-ones (``--top``).
+Prints JSON: host microseconds per forward + backward of each, the CUDA kernel launches per forward + backward
+(torch.profiler's launch calls), and cProfile's top functions by own time and by cumulative time (lightning_moe's
+only) for the FP8 ones (``--top``).
 
     python benchmarks/profile_fp8_host.py --iters 200
 """
@@ -84,7 +85,8 @@ def main() -> None:
              "experts_fp8_deferred": (experts(FP8Spec("rowwise", step=0, defer_wgrad=True)), 2),
              "experts_bf16": (bf16_experts, 2),
              "dense_fp8": (dense(FP8Spec("rowwise", step=0)), 1), "dense_bf16": (bf16_dense, 1)}
-    rec = {"shapes": {"L": L, "K": K, "N": N, "M": M}, "host_us_per_fwd_bwd": {}, "top": {}}
+    rec = {"shapes": {"L": L, "K": K, "N": N, "M": M}, "host_us_per_fwd_bwd": {}, "launches_per_fwd_bwd": {},
+           "top": {}, "top_cumulative": {}}
     for name, (fn, calls) in cases.items():
         for _ in range(5):
             fn()
@@ -95,6 +97,8 @@ def main() -> None:
         host = time.perf_counter() - t0  # the host's time to issue them (the GPU is behind)
         sync_dev()
         rec["host_us_per_fwd_bwd"][name] = round(host / args.iters / calls * 1e6, 1)
+        if dev.type == "cuda":
+            rec["launches_per_fwd_bwd"][name] = _launches(fn, 10) / 10 / calls
         if "fp8" in name:
             prof = cProfile.Profile()
             prof.enable()
@@ -107,8 +111,22 @@ def main() -> None:
             lines = s.getvalue().splitlines()
             head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
             rec["top"][name] = [line for line in lines[head:head + args.top + 1] if line.strip()]
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats("lightning_moe", args.top)
+            rec["top_cumulative"][name] = [line for line in s.getvalue().splitlines() if "lightning_moe" in line]
         log(f"{name}: {rec['host_us_per_fwd_bwd'][name]} us")
     emit({"benchmark": "fp8_host", "env": env_info(dev), "records": [rec]}, args.out)
+
+
+def _launches(fn, iters: int) -> int:
+    """The CUDA kernel launches (driver or runtime launch calls) of ``iters`` calls of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages()
+               if "LaunchKernel" in e.key or e.key == "cudaLaunchCooperativeKernel")
 
 
 if __name__ == "__main__":

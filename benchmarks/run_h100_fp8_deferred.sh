@@ -6,8 +6,9 @@
 #   kernel   bench_fp8_wgrad_deferred.py: per micro-batch against deferred, at bench_model's micro-batch shapes
 #   mixtral  mixtral-8x7b 2 layers (1 x 4 micro-batches): bf16, FP8 rowwise, FP8 rowwise deferred (ROUNDS=n: n times,
 #            alternating; default once), 8 steps each
-#   qwen3    qwen3-30b-a3b 4 layers (2 x 2 micro-batches), attention in bf16: the same three
-# Usage (repo root): OUT=dir bash benchmarks/run_h100_fp8_deferred.sh [tests] [kernel] [mixtral] [qwen3]
+#   qwen3    qwen3-30b-a3b 4 layers (2 x ACC micro-batches, default 2), attention in bf16: the same three
+#   host     profile_fp8_host.py: the host's time and launches per FP8 GEMM (JSON in $OUT/host.json)
+# Usage (repo root): OUT=dir bash benchmarks/run_h100_fp8_deferred.sh [tests] [kernel] [mixtral] [qwen3] [host]
 set -uo pipefail
 set -f  # the exclude pattern below is a glob for FP8Training, not for the shell
 OUT=${OUT:-/tmp/lmoe_out}; mkdir -p "$OUT"
@@ -42,7 +43,12 @@ PY
   ;;
 mixtral) models mx mixtral-8x7b "--batch 1 --accumulate 4" "${ROUNDS:-1}" "bf16:" "fp8:--fp8 rowwise" \
   "fp8_defer:--fp8 rowwise --fp8-defer-wgrad" ;;
-qwen3) models q3 qwen3-30b-a3b "--batch 2 --accumulate 2" "${ROUNDS:-1}" "bf16:" \
+qwen3) models "q3a${ACC:-2}" qwen3-30b-a3b "--batch 2 --accumulate ${ACC:-2}" "${ROUNDS:-1}" "bf16:" \
   "fp8:--fp8 rowwise --fp8-exclude *attn*" "fp8_defer:--fp8 rowwise --fp8-exclude *attn* --fp8-defer-wgrad" ;;
+host)
+  timeout -k 10 240 python3 benchmarks/profile_fp8_host.py --iters 200 --top 30 --out "$OUT/host.json" \
+    > "$OUT/host.log" 2>&1
+  echo "host rc=$?"; python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['records'][0]; \
+print(r['host_us_per_fwd_bwd'], r['launches_per_fwd_bwd'])" "$OUT/host.json" ;;
 esac; done
 true

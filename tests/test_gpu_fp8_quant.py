@@ -134,6 +134,24 @@ def test_rowwise_quant_col_amax_exact(M, K, L):
     _same_bytes(q[:int(offs[-1])], rq[:int(offs[-1])])  # tail rows: NaN, whose E4M3 byte the two kernels may differ in
     assert torch.equal(s, rs) or torch.equal(s.nan_to_num(), rs.nan_to_num())
     assert torch.equal(amax, tq.grouped_col_amax(x, offs, gid))
+    qi, si, ai = tq.rowwise_quant_col_amax(x, offs, gid, inverse=True)  # the GEMMs' dequantization scales
+    _same_bytes(qi[:int(offs[-1])], q[:int(offs[-1])])
+    assert torch.equal(si.nan_to_num(), s.reciprocal().nan_to_num()) and torch.equal(ai, amax)
+
+
+@pytest.mark.parametrize("M,L,align", [(131072, 128, 128), (16384, 8, 128), (3000, 7, 16), (70000, 300, 16)])
+def test_rows_layout_is_torchs(M, L, align):
+    """``fp8_rows_layout`` in one Triton launch: torch's rows' experts, padded ends and padded positions' experts."""
+    from lightning_moe.modules import triton_expert_rows as tk
+    from lightning_moe.modules.expert_padding import padded_ends
+    from lightning_moe.modules.fp8_grouped import expert_of_rows
+    g = torch.Generator(device="cuda").manual_seed(M + L)
+    offs = _uneven_offs(M - 50, L, g)
+    gid, pends, P, gid_P = tk.rows_layout(offs, M, align)
+    want_pends, want_P = padded_ends(offs, M, align)
+    assert P == want_P and torch.equal(pends, want_pends)
+    assert torch.equal(gid, expert_of_rows(M, offs, offs.device, int32=True))
+    assert torch.equal(gid_P, expert_of_rows(P, want_pends, offs.device, int32=True))
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])

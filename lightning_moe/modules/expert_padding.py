@@ -44,3 +44,25 @@ def scatter_rows(x_MK: torch.Tensor, dest_M: torch.Tensor, P: int) -> torch.Tens
     raw = x_MK.view(torch.uint8) if x_MK.element_size() == 1 else x_MK
     out = raw.new_zeros(P, x_MK.shape[1]).index_copy_(0, dest_M, raw)
     return out.view(x_MK.dtype)
+
+
+def fp8_rows_layout(offs_L: torch.Tensor, M: int, align: int = 0, fused: bool = True):
+    """What the FP8 expert GEMMs' kernels read, int32: ``(gid_M, pends_L, P, gid_P)``, each of M rows' group
+    (``fp8_grouped.expert_of_rows``), and with ``align`` the padded ends and length (``padded_ends``) and each padded
+    position's group (None without). One Triton launch where it runs (``triton_expert_rows``; ``fused``), else torch's
+    ops."""
+    from lightning_moe.modules.kernels import load
+    tk = load("triton_expert_rows", offs_L, fused)
+    if tk is not None:
+        return tk.rows_layout(offs_L, M, align)
+    L = offs_L.numel()
+    offs_L = offs_L.to(torch.int32)
+
+    def groups(n: int, ends_L: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(n, device=ends_L.device, dtype=torch.int32)
+        return torch.bucketize(rows, ends_L, right=True, out_int32=True).clamp_(max=L - 1)
+
+    if not align:
+        return groups(M, offs_L), None, None, None
+    pends_L, P = padded_ends(offs_L, M, align)
+    return groups(M, offs_L), pends_L, P, groups(P, pends_L)

@@ -32,13 +32,14 @@ code, for comparisons.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 from lightning_moe.modules import wgrad_fusion
-from lightning_moe.modules.expert_padding import padded_ends, padded_layout, scatter_rows
+from lightning_moe.modules.expert_padding import fp8_rows_layout, padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
 from lightning_moe.modules.fp8_grouped import (_cast, _reduced, _wgrad, emulated_dgrad, emulated_wgrad,
                                                expert_of_rows, rows_amax, tokens_amax, weights_amax)
@@ -54,7 +55,12 @@ TRITON_GEMM = os.environ.get("LMOE_FP8_TRITON_GEMM", "1") != "0"
 def available(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm``'s rowwise kernel runs here (SM 9.0)."""
     return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(device) == (9, 0))
+            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0))
+
+
+@functools.lru_cache(maxsize=None)  # asked at every GEMM: the driver query is host time
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def eligible(recipe: str, K: int, N: int, device: torch.device) -> bool:
@@ -66,19 +72,25 @@ def runs(spec: FP8Spec, x_MK: torch.Tensor, w_LKN: torch.Tensor) -> bool:
     return eligible(spec.recipe, *w_LKN.shape[1:], x_MK.device)
 
 
-def _gemm(a, b, scale_a, scale_b, offs, fast: bool) -> torch.Tensor:
-    """The kernel multiplies the product by dequantization scales: the reciprocals of the quantization scales."""
-    return torch._scaled_grouped_mm(a, b, scale_a.reciprocal().contiguous(), scale_b.reciprocal().contiguous(),
-                                    offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
+def _gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
+    """The kernel multiplies the product by dequantization scales (``inv_*``): the reciprocals of the quantization
+    scales."""
+    return torch._scaled_grouped_mm(a, b, inv_a.contiguous(), inv_b.contiguous(), offs=offs, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
 
 
-def _rows_gemm(a, b, scale_a, scale_b, offs, fast: bool) -> torch.Tensor:
+def _rows_gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
     """The forward or dgrad GEMM, rows grouped by expert: ``_gemm``'s product (``b`` (L, K, N) column-major) and bits,
     on ``triton_fp8_grouped_mm`` (faster, above all at fine-grained experts with the precise accumulation)."""
     tg = load("triton_fp8_grouped_mm", a, TRITON_GEMM) if not interpreting() else None  # interpreter: no FP8 dot
     if tg is None:
-        return _gemm(a, b, scale_a, scale_b, offs, fast)
-    return tg.grouped_mm(a, b.transpose(1, 2), scale_a.reciprocal(), scale_b.reciprocal(), offs, fast)
+        return _gemm(a, b, inv_a, inv_b, offs, fast)
+    return tg.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs, fast)
+
+
+def _with_inverse(q, scale) -> tuple:
+    """A quantized weight with its dequantization scales, made once with the cached copy."""
+    return q, scale.reciprocal()
 
 
 def _saturate_t(x_LRC, scale, fmax: float, dtype):
@@ -126,19 +138,21 @@ def _triton_wgrad(tq, t: torch.Tensor):
     return load("triton_fp8_wgrad", t)
 
 
-def _rows(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, split_k: bool, fmt: str):
-    """Per-row scales along K: one fused pass, unless ETP splits K (the amax is then all-reduced first)."""
-    if tq is not None and not (split_k and spec.group is not None):
-        return tq.rowwise_quant(x_MK, fmt)
-    return _cast(x_MK, rows_amax(x_MK, offs, gid_M, tiling(spec.recipe, role), spec, name, split_k), fmt)
+def _wgrad_align(wk) -> int:
+    """The rows' alignment of the wgrad's padded operands: the Triton wgrad's token blocks, or CUTLASS's 16 bytes."""
+    return wk.T if wk is not None else ALIGN
 
 
 def _rows_and_amax(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, split_k: bool, fmt: str, amax: bool):
-    """``_rows``' per-row quantization and, with ``amax``, the wgrad operand's per-expert column amax from the same
-    read (``rowwise_quant_col_amax``) where the rows need no amax reduced over ranks; else None for it."""
-    if amax and tq is not None and not (split_k and spec.group is not None):
-        return tq.rowwise_quant_col_amax(x_MK, offs, gid_M, fmt)
-    return (*_rows(tq, x_MK, offs, gid_M, spec, role, name, split_k, fmt), None)
+    """``(q, dequantization scales, amax)``: the operand quantized along K per row (one fused pass, unless ETP splits
+    K: the amax is then all-reduced first) and, with ``amax``, the wgrad operand's per-expert column amax from the
+    same read (``rowwise_quant_col_amax``) where the rows need no amax reduced over ranks; else None for it."""
+    if tq is not None and not (split_k and spec.group is not None):
+        if amax:
+            return tq.rowwise_quant_col_amax(x_MK, offs, gid_M, fmt, inverse=True)
+        return (*tq.rowwise_quant(x_MK, fmt, inverse=True), None)
+    q, scale = _cast(x_MK, rows_amax(x_MK, offs, gid_M, tiling(spec.recipe, role), spec, name, split_k), fmt)
+    return q, scale.reciprocal(), None
 
 
 def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8Spec, name: str, fmt: str,
@@ -160,26 +174,33 @@ class _ScaledGroupedMM(torch.autograd.Function):
         M = x_MK.shape[0]
         offs = offs_L.to(torch.int32)
         tq = _quant_kernels(spec, x_MK)
-        gid_M = expert_of_rows(M, offs, x_MK.device, int32=tq is not None)  # int32: as the quantizers read it
+        ctx.padded = None
+        if tq is not None:  # the rows' experts, and the wgrad's padded layout, in one launch (int32, as kernels read)
+            align = _wgrad_align(_triton_wgrad(tq, x_MK)) if wgrad else 0
+            gid_M, pends_L, P, gid_P = fp8_rows_layout(offs, M, align)
+            ctx.padded = (align, pends_L, P, gid_P) if wgrad else None
+        else:
+            gid_M = expert_of_rows(M, offs, x_MK.device)
         ctx.save_for_backward(x_MK, w_LKN, offs, gid_M)
         ctx.spec = spec
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
-        xq, xs, ctx.x_amax = _rows_and_amax(tq, x_MK, offs, gid_M, spec, "input", "x", row, fwd, wgrad)
+        xq, xs_inv, ctx.x_amax = _rows_and_amax(tq, x_MK, offs, gid_M, spec, "input", "x", row, fwd, wgrad)
         def quantize_w():
             ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
             dtype, fmax = FORMATS[fwd]
-            return saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2), ws  # column-major, as the kernel reads B
+            return _with_inverse(saturate_t(w_LKN, ws, fmax, dtype).transpose(1, 2), ws)  # column-major, as B
 
         tw = _weight_kernels(spec, w_LKN)
         ctx.w_t = None
         if tw is not None:  # both copies in two passes, the dgrad's kept for backward: made once even uncached
-            (wq_LNK, ws), ctx.w_t = spec.cached_weight("w_both", w_LKN, lambda: tw.quantize_both(w_LKN, fwd))
+            (wq_LNK, ws_inv), ctx.w_t = spec.cached_weight(
+                "w_both", w_LKN, lambda: tuple(_with_inverse(*c) for c in tw.quantize_both(w_LKN, fwd)))
             w_cm = wq_LNK.transpose(1, 2)
         else:
-            w_cm, ws = spec.cached_weight("w", w_LKN, quantize_w)
+            w_cm, ws_inv = spec.cached_weight("w", w_LKN, quantize_w)
         ctx.sync, ctx.param = sync, w_LKN if sync is not None else None
-        y = _rows_gemm(xq, w_cm, xs.reshape(M), ws.expand(L, 1, N).reshape(L, N), offs, spec.fast("fprop"))
+        y = _rows_gemm(xq, w_cm, xs_inv.reshape(M), ws_inv.expand(L, 1, N).reshape(L, N), offs, spec.fast("fprop"))
         return y.to(x_MK.dtype)
 
     @staticmethod
@@ -198,11 +219,11 @@ class _ScaledGroupedMM(torch.autograd.Function):
         # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
         tq = _quant_kernels(spec, dy_MN)
         fp8_wgrad = ctx.needs_input_grad[1] and spec.fp8_wgrad
-        dyq, dys, dy_amax = _rows_and_amax(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd, fp8_wgrad)
-        wq, ws = ctx.w_t or spec.cached_weight("w_t", w_LKN, lambda: _cast(
-            w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd))
+        dyq, dys_inv, dy_amax = _rows_and_amax(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd, fp8_wgrad)
+        wq, ws_inv = ctx.w_t or spec.cached_weight("w_t", w_LKN, lambda: _with_inverse(*_cast(
+            w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd)))
         ctx.w_t = None
-        dx = _rows_gemm(dyq, wq.transpose(1, 2), dys.reshape(M), ws.expand(L, K, 1).reshape(L, K), offs,
+        dx = _rows_gemm(dyq, wq.transpose(1, 2), dys_inv.reshape(M), ws_inv.expand(L, K, 1).reshape(L, K), offs,
                         spec.fast("dgrad"))
         if not ctx.needs_input_grad[1]:  # frozen experts: no wgrad operands, no wgrad
             return dx.to(x_MK.dtype), None, None, None, None, None
@@ -211,12 +232,15 @@ class _ScaledGroupedMM(torch.autograd.Function):
             return dx.to(x_MK.dtype), dw, None, None, None, None
         # wgrad: both along each expert's tokens, laid out on 16-row boundaries (128 for the Triton kernel's blocks)
         wk = _triton_wgrad(tq, dy_MN)
-        align = wk.T if wk is not None else ALIGN
-        if tq is not None:  # the kernels place each row from the padded ends (int32, as they read them)
-            poffs_L, P = padded_ends(offs, M, align)
+        align = _wgrad_align(wk)
+        padded, ctx.padded = ctx.padded, None
+        if tq is not None and padded is not None and padded[0] == align:
+            _, poffs_L, P, gid_P = padded  # forward's (the kernels place each row from the padded ends)
+        elif tq is not None:
+            _, poffs_L, P, gid_P = fp8_rows_layout(offs, M, align)
         else:
             dest_M, poffs_L, _, P = padded_layout(offs, M, align)
-        gid_P = expert_of_rows(P, poffs_L, x_MK.device, int32=tq is not None)
+            gid_P = expert_of_rows(P, poffs_L, x_MK.device)
         defer = ctx.sync is not None and spec.defer_wgrad and wk is not None
         if tq is not None:
             x_at, dy_at = _held_slots(spec, ctx.sync.held(ctx.param), K, N, P) if defer else (None, None)
@@ -231,8 +255,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dyT_NP, ds_LN = _by_expert_t(dy_MN, tokens_amax(dy_MN, offs, t_grad, spec, "dy_t", col), dest_M,
                                          gid_P, P, bwd)
         if wk is None:
-            dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K), ds_LN.reshape(L * N), poffs_L.to(torch.int32),
-                       spec.fast("wgrad"))
+            dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K).reciprocal(), ds_LN.reshape(L * N).reciprocal(),
+                       poffs_L.to(torch.int32), spec.fast("wgrad"))
             return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None, None, None
         a, b, fast = (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), spec.fast("wgrad")
         # never read under the fusion: it only fires GradSync's hook, which drops it

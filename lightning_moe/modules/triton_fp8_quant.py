@@ -19,6 +19,7 @@ the clamp keeps NaNs as torch's does, and the cast rounds to nearest even as tor
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -68,8 +69,16 @@ def _scale(amax, FMAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _stored(scale, INV: tl.constexpr, BLOCK: tl.constexpr):
+    """The scale, or with INV the GEMMs' dequantization scale: torch's ``scale.reciprocal()`` (correctly rounded)."""
+    if INV:
+        return tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), scale)
+    return scale
+
+
+@triton.jit
 def _rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, FMAX: tl.constexpr, TINY: tl.constexpr, ONE_PASS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INV: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     base = rows.to(tl.int64)[:, None] * K
@@ -93,7 +102,7 @@ def _rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, FMAX: tl.constexpr, TINY: tl.cons
             x = tl.load(x_ptr + base + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             q = _sat(x * scale[:, None], FMAX)
             tl.store(q_ptr + base + k0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + rows, scale, mask=rmask)
+    tl.store(s_ptr + rows, _stored(scale, INV, BLOCK_M), mask=rmask)
 
 
 @triton.jit
@@ -127,7 +136,7 @@ def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constex
 @triton.jit
 def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M, K, L, CHUNK, FMAX: tl.constexpr,
                              TINY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NKB: tl.constexpr,
-                             STAGES: tl.constexpr, KEEP: tl.constexpr):
+                             STAGES: tl.constexpr, KEEP: tl.constexpr, INV: tl.constexpr = False):
     """``_rowwise_kernel``'s rows and ``_col_amax_kernel``'s amaxes from one read: a chunk of CHUNK rows, walked in
     blocks of BLOCK_M whole rows (NKB blocks of BLOCK_K columns), each expert's part of the chunk in turn, then its
     tail rows (past offs[-1]: quantized, in no amax). The column maxes are NKB running tiles in registers (a tuple:
@@ -173,7 +182,7 @@ def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M
                     x = tl.load(x_ptr + base + kb * BLOCK_K + cols[None, :], mask=mask, other=0.0)
                 q = _sat(x.to(tl.float32) * scale[:, None], FMAX)
                 tl.store(q_ptr + base + kb * BLOCK_K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + rows, scale, mask=rmask)
+            tl.store(s_ptr + rows, _stored(scale, INV, BLOCK_M), mask=rmask)
         if (lo < hi) & (e <= g1):
             for kb in tl.static_range(NKB):
                 kc = kb * BLOCK_K + cols
@@ -209,8 +218,9 @@ def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X,
              mask=cmask[:, None] & pmask[None, :])
 
 
-def rowwise_quant(x_MK: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_MK, scale_M1)``: ``fp8._cast(x, abs_amax(x, 1), fmt)``'s bits, in one pass."""
+def rowwise_quant(x_MK: torch.Tensor, fmt: str = "e4m3", inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_MK, scale_M1)``: ``fp8._cast(x, abs_amax(x, 1), fmt)``'s bits, in one pass. ``inverse``: the scales'
+    reciprocals instead (``scale.reciprocal()``'s bits), which the GEMMs multiply by."""
     dtype, fmax = FORMATS[fmt]
     x_MK = x_MK.contiguous()
     M, K = x_MK.shape
@@ -221,7 +231,7 @@ def rowwise_quant(x_MK: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, 
     BLOCK_M = max(1, 8192 // BLOCK_K)
     if M:
         _rowwise_kernel[(triton.cdiv(M, BLOCK_M),)](x_MK, q, s, M, K, FMAX=fmax, TINY=_TINY, ONE_PASS=one,
-                                                   BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=8,
+                                                   BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, INV=inverse, num_warps=8,
                                                    enable_fp_fusion=False)  # no FMA: torch's roundings
     return q, s
 
@@ -284,6 +294,7 @@ def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tens
     return amax
 
 
+@functools.lru_cache(maxsize=256)  # called per GEMM with the same few shapes: its arithmetic is host time
 def fused_config(M: int, K: int) -> tuple:
     """``rowwise_quant_col_amax``'s (CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep) for M rows of K: column blocks of
     the largest power of two dividing K (at most 4096), so that no lanes are padding; row blocks of about 4096 values,
@@ -307,7 +318,8 @@ def fused_config(M: int, K: int) -> tuple:
 
 
 def rowwise_quant_col_amax(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tensor, fmt: str = "e4m3",
-                           config: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           config: tuple | None = None, inverse: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q_MK, scale_M1, amax_LK)``: ``rowwise_quant(x_MK, fmt)``'s and ``grouped_col_amax(x_MK, offs_L, gid_M)``'s
     bits (a NaN amax as fp32's canonical NaN) from one read of x. Bytes moved per bf16 value: 2 read and 1 written
     from and to HBM (3, against 3 + 2 for the two kernels), plus 4 per row (the scales) and 4 per column for each
@@ -315,14 +327,15 @@ def rowwise_quant_col_amax(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torc
     ``rowwise_quant`` quantizes them and are in no amax. ``config``: (CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep),
     ``fused_config``'s by default. Rows wider than BLOCK_K go in K blocks: with keep, a row block's blocks stay in
     registers from its amax to its quantization; without, they are read again (from L2: 2 more bytes per value
-    through L2, none from HBM while the block stays there). stages > 1 pipelines the chunk's row-block loads."""
+    through L2, none from HBM while the block stays there). stages > 1 pipelines the chunk's row-block loads.
+    ``inverse``: the scales' reciprocals instead, as ``rowwise_quant``."""
     dtype, fmax = FORMATS[fmt]
     x_MK = x_MK.contiguous()
     M, K = x_MK.shape
     L = offs_L.numel()
     amax = torch.zeros(L, K, device=x_MK.device, dtype=torch.float32)
     if not (M and K and L):  # no rows, or no experts (every row a tail row): nothing to reduce
-        return (*rowwise_quant(x_MK, fmt), amax)
+        return (*rowwise_quant(x_MK, fmt, inverse), amax)
     CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep = config or fused_config(M, K)
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
     q = torch.empty(M, K, device=x_MK.device, dtype=dtype)
@@ -331,7 +344,7 @@ def rowwise_quant_col_amax(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torc
         x_MK, q, s, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax.view(torch.int32), M,
         K, L, CHUNK,
         FMAX=fmax, TINY=_TINY, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, NKB=triton.cdiv(K, BLOCK_K), STAGES=stages,
-        KEEP=bool(keep), num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
+        KEEP=bool(keep), INV=inverse, num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
     return q, s, amax
 
 

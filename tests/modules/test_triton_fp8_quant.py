@@ -15,7 +15,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=27)
+    run_interpreted(__file__, timeout=600, passed=30)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -119,11 +119,12 @@ def test_wiring_helpers():
     M = 45
     x = _operand(M, 32, torch.bfloat16, 1)
     gid_M = expert_of_rows(M, offs, x.device)
-    for role in ("input", "grad"):
-        a, b = k._rows(tq, x, offs, gid_M, spec, role, "x", False, "e4m3"), \
-            k._rows(None, x, offs, gid_M, spec, role, "x", False, "e4m3")
-        _same_bytes(a[0], b[0])
-        assert torch.equal(a[1], b[1])
+    for role in ("input", "grad"):  # (q, dequantization scales, amax)
+        ref = k._rows_and_amax(None, x, offs, gid_M, spec, role, "x", False, "e4m3", False)
+        for amax in (False, True):
+            got = k._rows_and_amax(tq, x, offs, gid_M.to(torch.int32), spec, role, "x", False, "e4m3", amax)
+            _same_bytes(got[0], ref[0])
+            assert torch.equal(got[1], ref[1]) and ref[2] is None and (got[2] is not None) == amax
     dest_M, poffs, _, P = padded_layout(offs, M, k.ALIGN)
     gid_P = expert_of_rows(P, poffs, x.device)
     x[41:] = 0  # the torch layout carries tail rows past the last expert; the fused one writes zeros there
@@ -236,3 +237,21 @@ def test_quant_t_padded_into_a_column_slice():
     for bad in (wide[:, :P - 1], wide[:, :P].view(torch.uint8), torch.empty(P, 48, dtype=wide.dtype).t()):
         with pytest.raises(ValueError, match="unit column stride"):
             tq.quant_t_padded(x, scale, offs, poffs, gid_P, P, out=bad)
+
+
+@inside
+@pytest.mark.parametrize("M,K", [(40, 96), (5, 8200)])  # one pass; two (rows wider than 8192)
+def test_inverse_scales(M, K):
+    """``inverse=True``: the GEMMs' dequantization scales, ``scale.reciprocal()``'s bits, and the same bytes."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.fp8_grouped import expert_of_rows
+    x = _operand(M, K, torch.bfloat16, 3)
+    q, s = tq.rowwise_quant(x)
+    qi, si = tq.rowwise_quant(x, inverse=True)
+    _same_bytes(qi, q)
+    assert torch.equal(si, s.reciprocal())
+    if K < 1024:  # the fused kernel too (its wide rows are slow under the interpreter)
+        offs = torch.tensor([7, 7, M - 3], dtype=torch.int32)
+        qf, sf, _ = tq.rowwise_quant_col_amax(x, offs, expert_of_rows(M, offs, x.device, int32=True), inverse=True)
+        _same_bytes(qf, q)
+        assert torch.equal(sf, s.reciprocal())
