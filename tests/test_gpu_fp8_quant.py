@@ -188,10 +188,10 @@ def test_colwise_quant_t_exact(M, K):
     # column amaxes reduced over other ranks: larger for some columns, smaller (saturating) for others
     from lightning_moe.modules.fp8 import Tiling, quantize
     amax_K1 = x.t().abs().amax(1, keepdim=True).float() * torch.linspace(0.5, 2.0, K, device="cuda").unsqueeze(1)
-    q, s = tq.colwise_quant_t(x, "e4m3", amax_K1)
+    q, s, inv = tq.colwise_quant_t(x, "e4m3", amax_K1, inverse=True)
     rq, rs = quantize(x.t().contiguous(), "e4m3", Tiling(1, None), amax_K1)
     _same_bytes(q, rq)
-    assert s.shape == rs.shape and torch.equal(s, rs)
+    assert s.shape == rs.shape and torch.equal(s, rs) and torch.equal(inv, rs.reciprocal())
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
@@ -208,11 +208,18 @@ def test_dense_fp8_linear_wgrad_quant_t_identical(M, K, N, monkeypatch):
     used, colwise = [], tq.colwise_quant_t
     outs = []
     for new in (True, False):
-        monkeypatch.setattr(tq, "colwise_quant_t", (lambda x_MK, fmt, amax=None: used.append(fmt) or colwise(x_MK, fmt, amax)) if new
-                            else (lambda x_MK, fmt, amax=None: tq.rowwise_quant(x_MK.t().contiguous(), fmt)))
+        monkeypatch.setattr(tq, "colwise_quant_t", (lambda x_MK, fmt, amax=None, inverse=False: used.append(fmt)
+                                                    or colwise(x_MK, fmt, amax, inverse)) if new
+                            else (lambda x_MK, fmt, amax=None, inverse=False: _copy_quant(x_MK, fmt, inverse)))
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_linear(xi, wi, FP8Spec("rowwise"))
         outs.append((y, *torch.autograd.grad(y, (xi, wi), dy)))
     assert len(used) == 2  # both operands took the kernel
     for a, b, name in zip(*outs, ("y", "dx", "dw")):
         assert torch.equal(a, b), name
+
+
+def _copy_quant(x_MK, fmt, inverse):
+    """``rowwise_quant`` of the transposed copy, with its scales' reciprocals where asked (``colwise_quant_t``'s)."""
+    q, s = tq.rowwise_quant(x_MK.t().contiguous(), fmt)
+    return (q, s, s.reciprocal()) if inverse else (q, s)

@@ -136,12 +136,14 @@ def dequantize(q_RK: torch.Tensor, scale: torch.Tensor, t: Tiling) -> torch.Tens
     return q_RK.float() / _expand(scale, q_RK, t)
 
 
-def _kernel_scales(t: Tiling, scale: torch.Tensor, lhs: bool) -> Optional[torch.Tensor]:
-    """``_scaled_mm``'s dequantization scales for tensorwise ((1, 1)) and rowwise tilings ((M, 1) / (1, N))."""
+def _kernel_scales(t: Tiling, scale: torch.Tensor, lhs: bool, inv: Optional[torch.Tensor] = None
+                   ) -> Optional[torch.Tensor]:
+    """``_scaled_mm``'s dequantization scales for tensorwise ((1, 1)) and rowwise tilings ((M, 1) / (1, N)): ``inv``
+    where the quantizer gave them, else ``scale``'s reciprocals."""
     if t == Tiling(None, None):
-        return scale.reciprocal().reshape(())
+        return (scale.reciprocal() if inv is None else inv).reshape(())
     if t == Tiling(1, None):
-        inv = scale.reciprocal()
+        inv = scale.reciprocal() if inv is None else inv
         return inv.reshape(-1, 1) if lhs else inv.reshape(1, -1)
     return None  # blockwise: emulated
 
@@ -155,14 +157,17 @@ def fp8_mm(a_MK: torch.Tensor, b_NK: Optional[torch.Tensor], ta: Tiling, tb: Til
     otherwise or when ``emulate``. ``fast_accum``: the kernel's fast accumulation
     (Hopper keeps fewer bits in its tensor-core accumulators; see ``FAST_ACCUM``). ``b_q``: ``b`` already quantized,
     ``quantize``'s (values, scales) with ``fmt_b`` and ``tb`` (a cached weight), in place of ``b_NK``; ``a_q``
-    likewise for ``a`` (``a_MK`` still given)."""
-    qa, sa = a_q if a_q is not None else quantize(a_MK, fmt_a, ta, amax_a)
-    qb, sb = b_q if b_q is not None else quantize(b_NK, fmt_b, tb, amax_b)
+    likewise for ``a`` (``a_MK`` still given). Either may carry a third entry, the kernel's dequantization scales
+    (the scales' reciprocals, from the quantizer or cached with a weight), so that none is computed here; its scales
+    may then be None where only the kernel reads them (rowwise E4M3, not emulated)."""
+    qa, sa, *inv_a = a_q if a_q is not None else quantize(a_MK, fmt_a, ta, amax_a)
+    qb, sb, *inv_b = b_q if b_q is not None else quantize(b_NK, fmt_b, tb, amax_b)
     if not emulate and ta.cols is not None:  # blockwise tiles: DeepGEMM, where it runs
         from lightning_moe.modules import fp8_deepgemm
         if fp8_deepgemm.dense_runs(a_MK, ta, tb, (fmt_a, fmt_b), out_dtype):
             return fp8_deepgemm.dense_mm(qa, sa, qb, sb, tb, out_dtype)
-    scale_a, scale_b = _kernel_scales(ta, sa, True), _kernel_scales(tb, sb, False)
+    scale_a = _kernel_scales(ta, sa, True, inv_a[0] if inv_a else None)
+    scale_b = _kernel_scales(tb, sb, False, inv_b[0] if inv_b else None)
     kernel = not emulate and scale_a is not None and scale_b is not None and (fmt_a, fmt_b) != ("e5m2", "e5m2")
     if kernel and scale_a.ndim == scale_b.ndim:
         return torch._scaled_mm(qa, qb.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,

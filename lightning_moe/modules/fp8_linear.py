@@ -134,11 +134,18 @@ def _capability(index: Optional[int]) -> tuple:
 
 
 def _quantized(spec: FP8Spec, name: str, x_RK: torch.Tensor, t: Tiling, splits: tuple, fmt: str,
-               amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize``'s (values, scales) of operand ``name``, its amax reduced as the recipe says unless given."""
+               amax: Optional[torch.Tensor] = None) -> tuple:
+    """``quantize``'s (values, scales) of operand ``name``, its amax reduced as the recipe says unless given. Where
+    ``_one_pass``'s kernel quantizes it for the GEMM kernel (not emulated), (values, None, dequantization scales):
+    ``_scaled_mm`` reads only those, written by the pass (``fp8_mm``), so no reciprocal is launched."""
     amax = spec.amax(name, x_RK, t, *splits) if amax is None else amax
     tq = _one_pass(x_RK, t, fmt, amax)
-    return tq.rowwise_quant(x_RK, fmt) if tq is not None else quantize(x_RK, fmt, t, amax)
+    if tq is None:
+        return quantize(x_RK, fmt, t, amax)
+    if spec.emulate:
+        return tq.rowwise_quant(x_RK, fmt)
+    q, inv = tq.rowwise_quant(x_RK, fmt, inverse=True)
+    return q, None, inv
 
 
 def _quantized_t(spec: FP8Spec, name: str, x_MR: torch.Tensor, t: Tiling, splits: tuple, fmt: str
@@ -148,7 +155,9 @@ def _quantized_t(spec: FP8Spec, name: str, x_MR: torch.Tensor, t: Tiling, splits
     the same bits) and the copy, a read and write of the operand, is never made."""
     amax = spec.amax(name, x_MR.t(), t, *splits)  # the values of the copy, in another layout: the same amaxes
     tq = _one_pass(x_MR, t, fmt, None)
-    return tq.colwise_quant_t(x_MR, fmt, amax) if tq is not None else quantize(x_MR.t().contiguous(), fmt, t, amax)
+    if tq is None:
+        return quantize(x_MR.t().contiguous(), fmt, t, amax)
+    return tq.colwise_quant_t(x_MR, fmt, amax, inverse=not spec.emulate)  # with the GEMM's dequantization scales
 
 
 def _mm_t(spec: FP8Spec, names: tuple[str, str], a_MN, b_MK, roles: tuple[str, str], fmts: tuple[str, str],
@@ -172,8 +181,9 @@ def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str
     ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
     a_q = _quantized(spec, names[0], a_MK, ta, splits_a, fmts[0])
 
-    def quantized_b():
-        return _quantized(spec, names[1], b_NK() if weight is not None else b_NK, tb, splits_b, fmts[1], amax_b)
+    def quantized_b():  # with the GEMM's dequantization scales, made once with a cached weight
+        b_q = _quantized(spec, names[1], b_NK() if weight is not None else b_NK, tb, splits_b, fmts[1], amax_b)
+        return b_q if len(b_q) == 3 or tb.cols is not None else (*b_q, b_q[1].reciprocal())
     b_q = quantized_b() if weight is None else spec.cached_weight(names[1], weight, quantized_b)
     return fp8_mm(a_MK, None, ta, tb, fmts[0], fmts[1], out_dtype, spec.emulate, None, None, spec.fast(gemm),
                   b_q=b_q, a_q=a_q)

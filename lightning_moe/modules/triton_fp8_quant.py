@@ -7,8 +7,8 @@ rowwise_quant_col_amax
                    both of the above from the same read of x           one read, one write
 quant_t_padded     q^T in the wgrad layout: expert e's rows at its 16-aligned padded start, transposed to (X, P),
                    zeros in the padding                                one read, one write
-colwise_quant_t    rowwise_quant(x^T) without the transposed copy: grouped_col_amax and quant_t_padded over one
-                   group (the dense linear's wgrad operands)           two reads, one write
+colwise_quant_t    rowwise_quant(x^T) without the transposed copy: the column amax, then a transposed pass that
+                   computes the scales (the dense linear's wgrad operands)   two reads, one write
 
 dequant_packed     x = q / scale of the FP8 dispatch's packed rows (``fp8_dispatch.unpack``)  one read, one write
 
@@ -107,21 +107,29 @@ def _rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, FMAX: tl.constexpr, TINY: tl.cons
 
 @triton.jit
 def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_X: tl.constexpr):
+                     BLOCK_X: tl.constexpr, ONE_GROUP: tl.constexpr = False):
     """A chunk of CHUNK rows (usually within one expert) x BLOCK_X columns; atomic max into the zeroed (L, X)
     amaxes (exact and order-free: a max). The running max is a whole tile, reduced over its rows once per expert:
     the loop is then loads and elementwise maxes, without a cross-thread reduction per block (1.5-1.7x as fast on an
-    H100, docs/PERFORMANCE.md)."""
+    H100, docs/PERFORMANCE.md). ``ONE_GROUP``: every row in one group (the dense linear's), no offsets or groups read."""
     r0 = tl.program_id(0) * CHUNK
     r1 = tl.minimum(r0 + CHUNK, M)
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     cmask = cols < X
     rr = tl.arange(0, BLOCK_M)
-    g0 = tl.load(gid_ptr + r0)
-    g1 = tl.load(gid_ptr + r1 - 1)
+    if ONE_GROUP:
+        g0 = 0
+        g1 = 0
+    else:
+        g0 = tl.load(gid_ptr + r0)
+        g1 = tl.load(gid_ptr + r1 - 1)
     for e in range(g0, g1 + 1):
-        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
-        end = tl.load(offs_ptr + e)  # rows past offs[-1] (tail) belong to no expert
+        if ONE_GROUP:
+            start = 0
+            end = M
+        else:
+            start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
+            end = tl.load(offs_ptr + e)  # rows past offs[-1] (tail) belong to no expert
         lo, hi = tl.maximum(start, r0), tl.minimum(end, r1)
         acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for r in range(lo, hi, BLOCK_M):
@@ -191,6 +199,26 @@ def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M
                 # acts); a NaN as fp32's canonical one, grouped_col_amax's on a GPU (bf16's, widened, is not)
                 cmax_bits = tl.where(cmax != cmax, 0x7FFFFFFF, cmax.to(tl.int32, bitcast=True))
                 tl.atomic_max(amax_ptr + e * K + kc, cmax_bits, mask=kc < K, sem="relaxed")
+
+
+@triton.jit
+def _quant_t_one_group_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, inv_ptr, M, X, FMAX: tl.constexpr, TINY: tl.constexpr,
+                              BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, INV: tl.constexpr):
+    """``_quant_t_kernel`` for one group of every row (the dense linear's wgrad operands, no padding): the scales
+    computed here from the column amaxes (``_scale``: ``scale_of``'s bits), and written, with their reciprocals
+    (``INV``), by the first row of programs."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+    pmask, cmask = p < M, cols < X
+    s = _scale(tl.load(amax_ptr + cols, mask=cmask, other=1.0), FMAX, TINY, BLOCK_X)
+    x = tl.load(x_ptr + p.to(tl.int64)[:, None] * X + cols[None, :], mask=pmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    q = _sat(x * s[None, :], FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + cols.to(tl.int64)[:, None] * M + p[None, :], tl.trans(q), mask=cmask[:, None] & pmask[None, :])
+    if tl.program_id(0) == 0:
+        tl.store(s_ptr + cols, s, mask=cmask)
+        if INV:
+            tl.store(inv_ptr + cols, _stored(s, True, BLOCK_X), mask=cmask)
 
 
 @triton.jit
@@ -371,15 +399,35 @@ def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Ten
     return q
 
 
-def colwise_quant_t(x_MK: torch.Tensor, fmt: str = "e4m3", amax_K1: Optional[torch.Tensor] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def colwise_quant_t(x_MK: torch.Tensor, fmt: str = "e4m3", amax_K1: Optional[torch.Tensor] = None,
+                    inverse: bool = False) -> tuple:
     """``(q_KM, scale_K1)``: ``rowwise_quant(x_MK.t().contiguous(), fmt)``'s bits without that bf16 copy: the column
-    amaxes, then the values quantized straight into the transposed layout, all rows one group with no padding. The
-    scale is ``scale_of``'s, which ``rowwise_quant``'s ``_scale`` computes with the same roundings. ``amax_K1``: the
-    column amaxes to scale by instead (reduced over the ranks that hold other tokens): ``fp8.quantize``'s bits."""
+    amaxes (``grouped_col_amax``'s kernel over one group), then the values quantized straight into the transposed
+    layout, the scales computed in that pass (``_scale``, ``scale_of``'s roundings, as ``rowwise_quant``'s). Three
+    launches, none of them the torch ops of a scale. ``amax_K1``: the column amaxes to scale by instead (reduced over
+    the ranks that hold other tokens): ``fp8.quantize``'s bits. ``inverse``: ``(q_KM, scale_K1, inv_K1)``, with the
+    GEMM's dequantization scales (``scale.reciprocal()``'s bits)."""
+    dtype, fmax = FORMATS[fmt]
+    x_MK = x_MK.contiguous()
     M, K = x_MK.shape
-    offs_1 = torch.full((1,), M, device=x_MK.device, dtype=torch.int32)
-    gid_M = torch.zeros(M, device=x_MK.device, dtype=torch.int32)
-    amax_1K = grouped_col_amax(x_MK, offs_1, gid_M) if amax_K1 is None else amax_K1.float().reshape(1, K)
-    scale_1K = scale_of(amax_1K, fmt)
-    return quant_t_padded(x_MK, scale_1K, offs_1, offs_1, gid_M, M, fmt), scale_1K.reshape(-1, 1)
+    dev = x_MK.device
+    if amax_K1 is None:
+        amax_K = torch.zeros(K, device=dev, dtype=torch.float32)
+        CHUNK, BLOCK_M, BLOCK_X, warps = 256, 64, 128, 4  # grouped_col_amax's default
+        if M and K:
+            _col_amax_kernel[(triton.cdiv(M, CHUNK), triton.cdiv(K, BLOCK_X))](
+                x_MK, amax_K, amax_K, amax_K, M, K, CHUNK=CHUNK, BLOCK_M=BLOCK_M, BLOCK_X=BLOCK_X, ONE_GROUP=True,
+                num_warps=warps)
+    else:
+        amax_K = amax_K1.float().reshape(K).contiguous()
+    q = torch.empty(K, M, device=dev, dtype=dtype)
+    if not (M and K):  # no programs to write the scales
+        scale_K1 = scale_of(amax_K, fmt).reshape(K, 1)
+        return (q, scale_K1, scale_K1.reciprocal()) if inverse else (q, scale_K1)
+    s_K1 = torch.empty(K, 1, device=dev, dtype=torch.float32)
+    inv_K1 = torch.empty(K, 1, device=dev, dtype=torch.float32) if inverse else s_K1
+    BLOCK_P, BLOCK_X = 128, 64  # quant_t_padded's default
+    _quant_t_one_group_kernel[(triton.cdiv(M, BLOCK_P), triton.cdiv(K, BLOCK_X))](
+        x_MK, amax_K, q, s_K1, inv_K1, M, K, FMAX=fmax, TINY=_TINY, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, INV=inverse,
+        num_warps=4, enable_fp_fusion=False)
+    return (q, s_K1, inv_K1) if inverse else (q, s_K1)

@@ -15,7 +15,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=30)
+    run_interpreted(__file__, timeout=600, passed=32)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -171,8 +171,9 @@ def test_dense_linear_wgrad_quant_t(recipe, fp8_format, calls, monkeypatch):
     used, colwise = [], tq.colwise_quant_t
     outs = []
     for new in (True, False):
-        monkeypatch.setattr(tq, "colwise_quant_t", (lambda x_MK, fmt, amax=None: used.append(fmt) or colwise(x_MK, fmt, amax)) if new
-                            else (lambda x_MK, fmt, amax=None: tq.rowwise_quant(x_MK.t().contiguous(), fmt)))
+        monkeypatch.setattr(tq, "colwise_quant_t", (lambda x_MK, fmt, amax=None, inverse=False: used.append(fmt)
+                                                    or colwise(x_MK, fmt, amax, inverse)) if new
+                            else (lambda x_MK, fmt, amax=None, inverse=False: _copy_quant(x_MK, fmt, inverse)))
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_linear(xi, wi, FP8Spec(recipe, fp8_format=fp8_format))
         outs.append((y, *torch.autograd.grad(y, (xi, wi), dy)))
@@ -255,3 +256,27 @@ def test_inverse_scales(M, K):
         qf, sf, _ = tq.rowwise_quant_col_amax(x, offs, expert_of_rows(M, offs, x.device, int32=True), inverse=True)
         _same_bytes(qf, q)
         assert torch.equal(sf, s.reciprocal())
+
+
+def _copy_quant(x_MK, fmt, inverse):
+    """``rowwise_quant`` of the transposed copy, with its scales' reciprocals where asked (``colwise_quant_t``'s)."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    q, s = tq.rowwise_quant(x_MK.t().contiguous(), fmt)
+    return (q, s, s.reciprocal()) if inverse else (q, s)
+
+
+@inside
+@pytest.mark.parametrize("M,K,given", [(300, 72, False), (5, 130, True), (0, 16, False)])
+def test_colwise_quant_t_inverse(M, K, given):
+    """``colwise_quant_t(inverse=True)``: the bytes and scales of the copy's ``rowwise_quant``, and the scales'
+    reciprocals (with given amaxes: ``fp8.quantize``'s); no rows: the scales of zero amaxes."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.fp8 import Tiling, quantize
+    x = _operand(M, K, torch.bfloat16, 7)
+    amax = (x.float().abs().amax(0) * 1.5).reshape(K, 1) if given and M else None
+    q, s, inv = tq.colwise_quant_t(x, "e4m3", amax, inverse=True)
+    rq, rs = quantize(x.t().contiguous(), "e4m3", Tiling(1, None), amax) if M else \
+        (torch.empty(K, 0, dtype=torch.float8_e4m3fn), torch.full((K, 1), 448.0 / 1e-12))
+    _same_bytes(q, rq)
+    assert torch.equal(s, rs.reshape(K, 1)) and torch.equal(inv, s.reciprocal())
+
