@@ -12,6 +12,11 @@ from __future__ import annotations
 import torch
 
 
+def padded_length(M: int, L: int, align: int) -> int:
+    """The padded layout's static length for M rows in L groups: every group's padding fits, whatever the counts."""
+    return -(-M // align) * align + align * L
+
+
 def padded_layout(offs_L: torch.Tensor, M: int, align: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """For M rows grouped by the cumulative ends ``offs_L``: each row's place in the padded layout, the padded
@@ -27,7 +32,7 @@ def padded_layout(offs_L: torch.Tensor, M: int, align: int
     gid_M = torch.bucketize(rows_M, offs_L, right=True).clamp_(max=L - 1)
     dest_M = (pends_L - padded_L)[gid_M] + rows_M - (offs_L - counts_L)[gid_M]
     dest_M = torch.where(rows_M < offs_L[-1], dest_M, pends_L[-1] + rows_M - offs_L[-1])
-    return dest_M, pends_L, gid_M, -(-M // align) * align + align * L
+    return dest_M, pends_L, gid_M, padded_length(M, L, align)
 
 
 def padded_ends(offs_L: torch.Tensor, M: int, align: int) -> tuple[torch.Tensor, int]:
@@ -36,7 +41,7 @@ def padded_ends(offs_L: torch.Tensor, M: int, align: int) -> tuple[torch.Tensor,
     offs_L = offs_L.to(torch.int32)
     counts_L = torch.diff(offs_L, prepend=offs_L.new_zeros(1))
     pends_L = torch.cumsum((counts_L + align - 1) // align * align, 0, dtype=torch.int32)
-    return pends_L, -(-M // align) * align + align * offs_L.numel()
+    return pends_L, padded_length(M, offs_L.numel(), align)
 
 
 def scatter_rows(x_MK: torch.Tensor, dest_M: torch.Tensor, P: int) -> torch.Tensor:

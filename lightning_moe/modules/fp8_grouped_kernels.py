@@ -32,7 +32,6 @@ code, for comparisons.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -43,7 +42,7 @@ from lightning_moe.modules.expert_padding import fp8_rows_layout, padded_layout,
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
 from lightning_moe.modules.fp8_grouped import (_cast, _reduced, _wgrad, emulated_dgrad, emulated_wgrad,
                                                expert_of_rows, rows_amax, tokens_amax, weights_amax)
-from lightning_moe.modules.fp8_linear import FP8Spec
+from lightning_moe.modules.fp8_linear import FP8Spec, _capability
 from lightning_moe.modules.kernels import interpreting, load
 
 ALIGN = 16  # rows: 16 bytes of E4M3
@@ -55,12 +54,7 @@ TRITON_GEMM = os.environ.get("LMOE_FP8_TRITON_GEMM", "1") != "0"
 def available(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm``'s rowwise kernel runs here (SM 9.0)."""
     return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
-            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0))
-
-
-@functools.lru_cache(maxsize=None)  # asked at every GEMM: the driver query is host time
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
+            and _capability(device.index) == (9, 0))  # cached: asked at every GEMM
 
 
 def eligible(recipe: str, K: int, N: int, device: torch.device) -> bool:

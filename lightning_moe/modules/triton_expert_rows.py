@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_moe.modules.expert_padding import padded_length
+
 
 @triton.jit
 def _rows_layout_kernel(offs_ptr, gid_ptr, pends_ptr, gidp_ptr, M, P, L, ALIGN, PADDED: tl.constexpr,
@@ -41,7 +43,7 @@ def rows_layout(offs_L: torch.Tensor, M: int, align: int = 0):
     gid_M = torch.empty(M, device=dev, dtype=torch.int32)
     pends_L = gid_P = P = None
     if align:
-        P = -(-M // align) * align + align * L
+        P = padded_length(M, L, align)
         pends_L = torch.empty(L, device=dev, dtype=torch.int32)
         gid_P = torch.empty(P, device=dev, dtype=torch.int32)
     BLOCK_L = max(16, triton.next_power_of_2(L))
