@@ -7,6 +7,9 @@ experts' operand shapes of bench_layer's blocks (one GPU, balanced routing): x a
   col_amax         ``grouped_col_amax``: the wgrad operand's per-expert column amaxes, over a few (CHUNK, BLOCK_M,
                    BLOCK_X, warps)
   quant_t          ``quant_t_padded``: E4M3, transposed into the wgrad layout, over a few (BLOCK_P, BLOCK_X, warps)
+  quant_t_128      ``quant_t_padded`` into the Triton wgrad's 128-row padded layout, each position's expert, ends and
+                   scales gathered (``gathered``) against read once per block (``align=128``, ``block_expert``);
+                   ``exact``: the same bytes
   two_passes       ``rowwise_quant`` then ``grouped_col_amax`` (default configs) on the same operand, as the layer runs
                    them (5 bytes per value: read, write, read)
   fused            ``rowwise_quant_col_amax``: both from one read (3 bytes per value), over ``fused_config``'s and a
@@ -15,7 +18,7 @@ experts' operand shapes of bench_layer's blocks (one GPU, balanced routing): x a
 
 Prints JSON: each pass's median ms, GB/s (bytes it must move) and the ratio of that to the copy's GB/s.
 
-    python benchmarks/bench_fp8_quant.py --shapes mixtral,qwen3 [--fused-only]
+    python benchmarks/bench_fp8_quant.py --shapes mixtral,qwen3 [--fused-only | --quant-t-only]
 """
 
 from __future__ import annotations
@@ -56,12 +59,14 @@ def fused_configs(tq, M: int, X: int) -> list:
 
 def main() -> None:
     # --fused-only (stripped before the shared parser sees it): copy, rowwise, two passes and the fused sweep alone
-    fused_only = "--fused-only" in sys.argv
-    if fused_only:
-        sys.argv.remove("--fused-only")
+    fused_only, quant_t_only = "--fused-only" in sys.argv, "--quant-t-only" in sys.argv
+    for flag in ("--fused-only", "--quant-t-only"):
+        if flag in sys.argv:
+            sys.argv.remove(flag)
     args = parse_args(__doc__)
     from lightning_moe.modules import triton_fp8_quant as tq
     from lightning_moe.modules.fp8 import scale_of
+    from lightning_moe.modules.expert_padding import fp8_rows_layout
     from lightning_moe.modules.fp8_grouped import expert_of_rows
     dev = torch.device("cuda")
     records = []
@@ -86,8 +91,18 @@ def main() -> None:
             copy = timed(lambda: y.copy_(x), 4 * n)
             limit = copy["GB/s"]
             sx = scale_of(tq.grouped_col_amax(x, offs, gid), "e4m3")
-            rec = {"shape": name, "operand": operand, "rows": M, "features": X, "copy": copy,
-                   "rowwise": timed(lambda: tq.rowwise_quant(x), 3 * n, limit)}
+            rec = {"shape": name, "operand": operand, "rows": M, "features": X, "copy": copy}
+            gid32, poffs, P, gid_P = fp8_rows_layout(offs, M, 128)
+            ways = {"gathered": 1, "block_expert": 128}
+            rec["quant_t_128"] = {k: timed(lambda a=a: tq.quant_t_padded(x, sx, offs, poffs, gid_P, P, align=a), 3 * n,
+                                           limit) for k, a in ways.items()}
+            outs = [tq.quant_t_padded(x, sx, offs, poffs, gid_P, P, align=a).view(torch.uint8) for a in ways.values()]
+            rec["quant_t_128"]["exact"] = bool(torch.equal(*outs))
+            if quant_t_only:
+                log(f"{name} {operand}: {rec}")
+                records.append(rec)
+                continue
+            rec["rowwise"] = timed(lambda: tq.rowwise_quant(x), 3 * n, limit)
             if not fused_only:
                 rec["col_amax"] = {"x".join(map(str, c)): timed(
                     lambda c=c: tq.grouped_col_amax(x, offs, gid, config=c), 2 * n, limit) for c in COL_AMAX_CONFIGS}

@@ -223,3 +223,18 @@ def _copy_quant(x_MK, fmt, inverse):
     """``rowwise_quant`` of the transposed copy, with its scales' reciprocals where asked (``colwise_quant_t``'s)."""
     q, s = tq.rowwise_quant(x_MK.t().contiguous(), fmt)
     return (q, s, s.reciprocal()) if inverse else (q, s)
+
+
+@pytest.mark.parametrize("M,K,L", [(65536, 2048, 128), (8192, 4096, 8), (3000, 200, 7)])
+def test_quant_t_padded_block_expert_exact(M, K, L):
+    """``quant_t_padded(align=128)`` (each block one expert's: ends and scales read once) against the per-position
+    gathers, at the Triton wgrad's 128-row layout: the same bytes."""
+    from lightning_moe.modules.expert_padding import fp8_rows_layout
+    from lightning_moe.modules.fp8 import scale_of
+    g = torch.Generator(device="cuda").manual_seed(M + K + 1)
+    offs = _uneven_offs(M - 50, L, g)
+    x = _x(M, K, g)
+    gid_M, poffs, P, gid_P = fp8_rows_layout(offs, M, 128)
+    scale = scale_of(tq.grouped_col_amax(x, offs, gid_M), "e4m3")
+    want = tq.quant_t_padded(x, scale, offs, poffs, gid_P, P)
+    _same_bytes(tq.quant_t_padded(x, scale, offs, poffs, gid_P, P, align=128), want)

@@ -150,13 +150,13 @@ def _rows_and_amax(tq, x_MK, offs, gid_M, spec: FP8Spec, role: str, name: str, s
 
 
 def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8Spec, name: str, fmt: str,
-                       amax_LX=None, out=None):
+                       amax_LX=None, out=None, align: int = 1):
     """``_by_expert_t`` with rowwise scales in two passes: amax (or ``amax_LX``, taken with the rowwise pass), its
     reduction over the expert's data-parallel ranks (as ``tokens_amax``), then quantized straight into the transposed
-    padded layout (into ``out``, an (X, P) view, where given)."""
+    padded layout (into ``out``, an (X, P) view, where given; ``align``: the layout's)."""
     amax_LX = tq.grouped_col_amax(x_MX, offs, gid_M) if amax_LX is None else amax_LX
     scale_LX = scale_of(_reduced(amax_LX, spec, name, False, tokens=True), fmt)
-    return tq.quant_t_padded(x_MX, scale_LX, offs, poffs_L, gid_P, P, fmt, out=out), scale_LX
+    return tq.quant_t_padded(x_MX, scale_LX, offs, poffs_L, gid_P, P, fmt, out=out, align=align), scale_LX
 
 
 class _ScaledGroupedMM(torch.autograd.Function):
@@ -239,9 +239,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if tq is not None:
             x_at, dy_at = _held_slots(spec, ctx.sync.held(ctx.param), K, N, P) if defer else (None, None)
             xT_KP, xs_LK = _by_expert_t_fused(tq, x_MK, offs, gid_M, poffs_L, gid_P, P, spec, "x_t", fwd, ctx.x_amax,
-                                              x_at)
+                                              x_at, align)
             dyT_NP, ds_LN = _by_expert_t_fused(tq, dy_MN, offs, gid_M, poffs_L, gid_P, P, spec, "dy_t", bwd, dy_amax,
-                                               dy_at)
+                                               dy_at, align)
             ctx.x_amax = None
         else:
             xT_KP, xs_LK = _by_expert_t(x_MK, tokens_amax(x_MK, offs, t_in, spec, "x_t", row), dest_M, gid_P, P,

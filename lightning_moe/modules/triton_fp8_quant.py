@@ -223,24 +223,33 @@ def _quant_t_one_group_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, inv_ptr, M, X, FMAX
 
 @triton.jit
 def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X, Q_STRIDE, FMAX: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr):
+                    BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_EXPERT: tl.constexpr = False):
     """BLOCK_P padded positions x BLOCK_X columns: each position's expert (gid), its source row, a transposed
-    store. Padding positions (past their expert's rows, or past the last expert) read zeros."""
+    store. Padding positions (past their expert's rows, or past the last expert) read zeros. ``BLOCK_EXPERT``: the
+    padded ends are multiples of BLOCK_P, so the block is one expert's: its ends and scales are read once, not
+    gathered per position."""
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     pmask, cmask = p < P, cols < X
-    g = tl.load(gid_ptr + p, mask=pmask, other=0)
-    first = pmask & (g > 0)
-    start = tl.load(offs_ptr + g - 1, mask=first, other=0)
-    end = tl.load(offs_ptr + g, mask=pmask, other=0)
-    pstart = tl.load(poffs_ptr + g - 1, mask=first, other=0)
+    if BLOCK_EXPERT:
+        g = tl.load(gid_ptr + tl.program_id(0) * BLOCK_P)
+        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        end = tl.load(offs_ptr + g)
+        pstart = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
+        # padding rows are zeros times their expert's scale, as in the torch layout
+        s = tl.load(scale_ptr + g.to(tl.int64) * X + cols, mask=cmask, other=1.0)[None, :]
+    else:
+        g = tl.load(gid_ptr + p, mask=pmask, other=0)
+        first = pmask & (g > 0)
+        start = tl.load(offs_ptr + g - 1, mask=first, other=0)
+        end = tl.load(offs_ptr + g, mask=pmask, other=0)
+        pstart = tl.load(poffs_ptr + g - 1, mask=first, other=0)
+        s = tl.load(scale_ptr + g.to(tl.int64)[:, None] * X + cols[None, :], mask=pmask[:, None] & cmask[None, :],
+                    other=1.0)
     src = start + (p - pstart)
     valid = pmask & (src < end)
     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * X + cols[None, :], mask=valid[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
-    # padding rows are zeros times their expert's scale, as in the torch layout
-    s = tl.load(scale_ptr + g.to(tl.int64)[:, None] * X + cols[None, :], mask=pmask[:, None] & cmask[None, :],
-                other=1.0)
     q = _sat(x * s, FMAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * Q_STRIDE + p[None, :], tl.trans(q),
              mask=cmask[:, None] & pmask[None, :])
@@ -378,11 +387,13 @@ def rowwise_quant_col_amax(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torc
 
 def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
                    gid_P: torch.Tensor, P: int, fmt: str = "e4m3", config: tuple = (128, 64, 4),
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, align: int = 1) -> torch.Tensor:
     """``(X, P)``: ``saturate_rows_t(scatter_rows(x, dest, P), scale_LX, gid_P)``'s bits for the rows of experts
     (``poffs_L``/``gid_P``: ``padded_layout``'s ends and ``expert_of_rows(P, poffs_L)``); zeros elsewhere.
     ``config``: (BLOCK_P, BLOCK_X, warps). ``out``: an (X, P) view to write into instead, its rows strided (columns of
-    a wider buffer: the deferred wgrad's micro-batches side by side)."""
+    a wider buffer: the deferred wgrad's micro-batches side by side). ``align``: the padded ends' alignment; a multiple
+    of BLOCK_P makes each block one expert's (the Triton wgrad's 128-row layout), whose ends and scales are then read
+    once per block (the same bits)."""
     dtype, fmax = FORMATS[fmt]
     x_MX = x_MX.contiguous()
     X = x_MX.shape[1]
@@ -395,7 +406,8 @@ def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Ten
         _quant_t_kernel[(triton.cdiv(P, BLOCK_P), triton.cdiv(X, BLOCK_X))](
             x_MX, scale_LX.float().contiguous(), offs_L.to(torch.int32).contiguous(),
             poffs_L.to(torch.int32).contiguous(), gid_P.to(torch.int32).contiguous(), q, P, X, q.stride(0), FMAX=fmax,
-            BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, num_warps=warps, enable_fp_fusion=False)
+            BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, BLOCK_EXPERT=align % BLOCK_P == 0, num_warps=warps,
+            enable_fp_fusion=False)
     return q
 
 

@@ -15,7 +15,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=32)
+    run_interpreted(__file__, timeout=600, passed=34)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -279,4 +279,22 @@ def test_colwise_quant_t_inverse(M, K, given):
         (torch.empty(K, 0, dtype=torch.float8_e4m3fn), torch.full((K, 1), 448.0 / 1e-12))
     _same_bytes(q, rq)
     assert torch.equal(s, rs.reshape(K, 1)) and torch.equal(inv, s.reciprocal())
+
+
+@inside
+@pytest.mark.parametrize("counts,tail", [([130, 0, 7, 256], 9), ([1, 0, 0], 0)])
+def test_quant_t_padded_block_expert(counts, tail):
+    """``quant_t_padded(align=128)`` at the Triton wgrad's 128-row layout: each block's ends and scales read once, the
+    bytes of the per-position gathers (empty experts, tail rows, a scale that is NaN)."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.expert_padding import fp8_rows_layout
+    from lightning_moe.modules.fp8 import scale_of
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    M = int(offs[-1]) + tail
+    x = _operand(M, 72, torch.bfloat16, 11)
+    gid_M, poffs, P, gid_P = fp8_rows_layout(offs, M, 128, fused=False)
+    scale = scale_of(tq.grouped_col_amax(x, offs, gid_M), "e4m3")
+    scale[0, 3] = float("nan")
+    want = tq.quant_t_padded(x, scale, offs, poffs, gid_P, P)
+    _same_bytes(tq.quant_t_padded(x, scale, offs, poffs, gid_P, P, align=128), want)
 
