@@ -56,18 +56,13 @@ def fp8_rows_layout(offs_L: torch.Tensor, M: int, align: int = 0, fused: bool = 
     (``fp8_grouped.expert_of_rows``), and with ``align`` the padded ends and length (``padded_ends``) and each padded
     position's group (None without). One Triton launch where it runs (``triton_expert_rows``; ``fused``), else torch's
     ops."""
+    from lightning_moe.modules.fp8_grouped import expert_of_rows  # it builds on this module
     from lightning_moe.modules.kernels import load
     tk = load("triton_expert_rows", offs_L, fused)
     if tk is not None:
         return tk.rows_layout(offs_L, M, align)
-    L = offs_L.numel()
-    offs_L = offs_L.to(torch.int32)
-
-    def groups(n: int, ends_L: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(n, device=ends_L.device, dtype=torch.int32)
-        return torch.bucketize(rows, ends_L, right=True, out_int32=True).clamp_(max=L - 1)
-
+    gid_M = expert_of_rows(M, offs_L, offs_L.device, int32=True)
     if not align:
-        return groups(M, offs_L), None, None, None
+        return gid_M, None, None, None
     pends_L, P = padded_ends(offs_L, M, align)
-    return groups(M, offs_L), pends_L, P, groups(P, pends_L)
+    return gid_M, pends_L, P, expert_of_rows(P, pends_L, offs_L.device, int32=True)
