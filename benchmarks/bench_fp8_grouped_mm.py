@@ -18,10 +18,28 @@ CONFIGS = [(128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3
            (64, 128, 4, 4), (256, 128, 8, 3)]
 
 
+def routings(E: int, M: int) -> dict:
+    """Each expert's rows: balanced, and uneven (drawn from a multinomial, rows off the tiles' boundaries)."""
+    g = torch.Generator().manual_seed(0)
+    return {"balanced": torch.full((E,), M // E),
+            "uneven": torch.distributions.Multinomial(M, torch.rand(E, generator=g) + 0.5).sample().long()}
+
+
+def gemm_operands(name: str, dev: torch.device):
+    """The shape's forward and dgrad expert GEMMs: (gemm, K, N, (a, b, sa, sb)), E4M3 operands with their rowwise
+    dequantization scales, as ``triton_fp8_grouped_mm.grouped_mm`` takes them."""
+    from lightning_moe.modules import triton_fp8_quant as tq
+    E, M, D, Fh = SHAPES[name]
+    for gemm, K, N in (("fc1", D, 2 * Fh), ("fc2", Fh, D), ("fc1_dgrad", 2 * Fh, D), ("fc2_dgrad", D, Fh)):
+        torch.manual_seed(0)
+        aq, sa = tq.rowwise_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16))
+        bq, sb = tq.rowwise_quant(torch.randn(E * N, K, device=dev, dtype=torch.bfloat16) * 0.02)
+        yield gemm, K, N, (aq, bq.view(E, N, K), sa.reciprocal().reshape(M), sb.reciprocal().reshape(E, N))
+
+
 def main() -> None:
     args = parse_args(__doc__)
     from lightning_moe.modules import triton_fp8_grouped_mm as tg
-    from lightning_moe.modules import triton_fp8_quant as tq
     dev = torch.device("cuda")
     records = []
 
@@ -30,17 +48,10 @@ def main() -> None:
         return round(flop / v / 1e9, 1) if isinstance(v, float) else v
 
     for name in args.shapes.split(","):
-        E, M, D, Fh = SHAPES[name]
-        g = torch.Generator().manual_seed(0)
-        routings = {"balanced": torch.full((E,), M // E),
-                    "uneven": torch.distributions.Multinomial(M, torch.rand(E, generator=g) + 0.5).sample().long()}
-        for gemm, K, N in (("fc1", D, 2 * Fh), ("fc2", Fh, D), ("fc1_dgrad", 2 * Fh, D), ("fc2_dgrad", D, Fh)):
-            torch.manual_seed(0)
-            aq, sa = tq.rowwise_quant(torch.randn(M, K, device=dev, dtype=torch.bfloat16))
-            bq, sb = tq.rowwise_quant(torch.randn(E * N, K, device=dev, dtype=torch.bfloat16) * 0.02)
-            bq, sa, sb = bq.view(E, N, K), sa.reciprocal().reshape(M), sb.reciprocal().reshape(E, N)
+        E, M, _, _ = SHAPES[name]
+        for gemm, K, N, (aq, bq, sa, sb) in gemm_operands(name, dev):
             flop = 2 * M * K * N
-            for routing, counts in routings.items():
+            for routing, counts in routings(E, M).items():
                 offs = counts.to(dev).cumsum(0).to(torch.int32)
                 rec = {"shape": name, "gemm": gemm, "routing": routing, "experts": E, "rows": M, "K": K, "N": N}
                 for fast in (False, True):
