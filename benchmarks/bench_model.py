@@ -495,7 +495,8 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--fp8-param-gather"] if args.fp8_param_gather else []
         cmd += ["--fp8-no-weight-cache"] if args.fp8_no_weight_cache else []
         cmd += ["--fp8-no-fp8-wgrad"] if args.fp8_no_fp8_wgrad else []
-        cmd += ["--fp8-defer-wgrad"] if args.fp8_defer_wgrad else []
+        cmd += (["--fp8-defer-wgrad"] + ([] if args.fp8_defer_wgrad is True else [str(args.fp8_defer_wgrad)])
+                if args.fp8_defer_wgrad else [])
         cmd += ["--fp8-include-head"] if args.fp8_include_head else []
         cmd += ["--fp8-fast-accum", args.fp8_fast_accum, "--fp8-exclude", args.fp8_exclude]
         cmd += ["--sync-free-dispatch"] if args.sync_free_dispatch else []
@@ -600,8 +601,9 @@ def main(argv=None) -> dict:
                    help="FP8Training(cache_weights=False): quantize the weights at every micro-batch")
     p.add_argument("--fp8-no-fp8-wgrad", action="store_true",
                    help="with --fp8: FP8Training(fp8_wgrad=False), weight gradients from the unquantized operands")
-    p.add_argument("--fp8-defer-wgrad", action="store_true",
-                   help="with --fp8: FP8Training(defer_expert_wgrad=True), the experts' wgrad once per optimizer step")
+    p.add_argument("--fp8-defer-wgrad", nargs="?", const=True, default=False, type=int, metavar="N",
+                   help="with --fp8: FP8Training(defer_expert_wgrad=True), the experts' wgrad once per optimizer step "
+                        "(with N: once per N micro-batches)")
     p.add_argument("--fp8-include-head", action="store_true",
                    help="with --fp8: FP8Training(include_head=True), the output head's GEMMs in FP8 too")
     p.add_argument("--fp8-dispatch", action="store_true",

@@ -221,11 +221,12 @@ def test_fp8_wgrad_over_segments_gives_one_kernel_per_segments_bits(fast):
 
 
 @hopper
-@pytest.mark.parametrize("fast", ["fprop", "all"])
-def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast):
+@pytest.mark.parametrize("fast,window", [("fprop", None), ("all", None), ("fprop", 2)])
+def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast, window):
     """``FP8Spec(defer_wgrad=True)`` (``FP8Training(defer_expert_wgrad=True)``): three micro-batches of uneven
-    experts through GradSync's fusion, the wgrad held until the armed backward, against the wgrad of every
-    micro-batch into the main grads: the same main grads and input gradients, bit for bit, over two steps."""
+    experts through GradSync's fusion, the wgrad held until the armed backward (``window=2``: the first two run at
+    the second backward, the third alone at the armed one), against the wgrad of every micro-batch into the main
+    grads: the same main grads and input gradients, bit for bit, over four steps."""
     from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
     from lightning_moe.modules.fp8_linear import FP8Spec
     from lightning_moe.strategy.grad_sync import GradSync
@@ -246,7 +247,7 @@ def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast):
         p = torch.nn.Parameter(w.clone())
         p.wgrad_fusable = True
         sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
-        spec = FP8Spec("rowwise", fast_accum=fast, defer_wgrad=defer)
+        spec = FP8Spec("rowwise", fast_accum=fast, defer_wgrad=defer, defer_window=window if defer else None)
         out, arenas = [], []
         # step 0 concatenates the held operands into arenas, step 1 quantizes into them (no concatenation), step 2's
         # longer micro-batches do not fit (concatenated into larger arenas), step 3 fits those

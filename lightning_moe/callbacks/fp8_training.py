@@ -22,7 +22,7 @@ scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the by
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import lightning as L
 import torch
@@ -90,13 +90,16 @@ class FP8Training(L.Callback):
             per micro-batch). Needs the experts' Triton FP8 wgrad (the rowwise recipe on an SM 9.0 GPU with triton)
             and MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with fp32 main grads). With bf16 main
             grads (the distributed optimizer's bf16 main params) the sum is rounded to bf16 once per step instead of
-            once per micro-batch: not the same bits, closer ones.
+            once per micro-batch: not the same bits, closer ones. An int N >= 2 holds at most N micro-batches: the
+            backward that fills the window runs them, so the held operands stay bounded under long gradient
+            accumulation, at one read, add and write of the main grads per window (the same bits with fp32 main
+            grads).
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
                  emulate: Optional[bool] = None, amax_history: int = 16, fp8_format: Optional[str] = None,
                  fp8_dispatch: bool = False, cache_weights: bool = True, fast_accum: str = "fprop",
-                 fp8_param_gather: bool = False, fp8_wgrad: bool = True, defer_expert_wgrad: bool = False):
+                 fp8_param_gather: bool = False, fp8_wgrad: bool = True, defer_expert_wgrad: Union[bool, int] = False):
         if recipe not in RECIPES:
             raise ValueError(f"FP8Training(recipe={recipe!r}): unknown recipe; valid: {', '.join(RECIPES)}")
         if fp8_format not in (None, "hybrid", "e4m3"):
@@ -120,11 +123,12 @@ class FP8Training(L.Callback):
             raise ValueError("FP8Training(recipe='blockwise', fp8_wgrad=False): the blockwise recipe's wgrad on "
                              "DeepGEMM already runs on bf16 tensor cores (from its 128-token tiles); use "
                              "fp8_wgrad=False with the tensorwise, delayed or rowwise recipe, or leave it on")
+        window = _defer_window(defer_expert_wgrad)
         if defer_expert_wgrad and (recipe != "rowwise" or not fp8_wgrad):
             raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_wgrad={fp8_wgrad}, defer_expert_wgrad=True): only "
                              "the rowwise recipe's FP8 expert wgrad (Triton) can be deferred; use recipe='rowwise' "
                              "with fp8_wgrad=True, or leave defer_expert_wgrad off")
-        self.defer_expert_wgrad = bool(defer_expert_wgrad)
+        self.defer_expert_wgrad, self.defer_window = bool(defer_expert_wgrad), window
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
         self.fp8_dispatch, self.cache_weights, self.fast_accum = fp8_dispatch, bool(cache_weights), fast_accum
@@ -166,6 +170,7 @@ class FP8Training(L.Callback):
         for g in targets:
             spec = self._spec(g, ctx)
             spec.defer_wgrad = self.defer_expert_wgrad and g.grouped
+            spec.defer_window = self.defer_window if spec.defer_wgrad else None
             if spec.defer_wgrad:
                 self._deferring.append(spec)
             swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
@@ -207,7 +212,9 @@ class FP8Training(L.Callback):
                        + f"; fast accumulation: {self.fast_accum}"
                        + ("; weight gradients unquantized (fp8_wgrad=False)" if not self.fp8_wgrad else "")
                        + ("; the experts' wgrad once per optimizer step (defer_expert_wgrad)"
-                          if self.defer_expert_wgrad else "")
+                          if self.defer_expert_wgrad and self.defer_window is None else "")
+                       + (f"; the experts' wgrad once per {self.defer_window} micro-batches (defer_expert_wgrad)"
+                          if self.defer_window is not None else "")
                        + (f"; DeepGEMM unavailable ({fp8_deepgemm.unavailable(device)})"
                           if self.recipe == "blockwise" and not emulate and device.type == "cuda"
                           and fp8_deepgemm.unavailable(device) else "")
@@ -320,6 +327,18 @@ class FP8Training(L.Callback):
         for d in self._dispatchers:
             d.__dict__.pop("fp8_dispatch", None)
         self._dispatchers = []
+
+
+def _defer_window(defer) -> Optional[int]:
+    """``defer_expert_wgrad``'s window: None for True or False (the whole step, or no deferral), else the int N >= 2;
+    ValueError for anything else."""
+    if isinstance(defer, bool):
+        return None
+    if not isinstance(defer, int) or defer < 2:
+        raise ValueError(f"FP8Training(defer_expert_wgrad={defer!r}): want True (once per optimizer step), False, "
+                         "or an int N >= 2 (once per N micro-batches; 1 would run every micro-batch's wgrad on its "
+                         "own: leave it False)")
+    return defer
 
 
 def _triton_wgrad_runs(recipe: str, grouped: list, device: torch.device, emulate: Optional[bool]) -> bool:

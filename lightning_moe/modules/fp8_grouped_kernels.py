@@ -19,10 +19,11 @@ then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TR
 for comparisons). With ``FP8Training(defer_expert_wgrad=True)`` the main grad's wgrad waits for the step's last
 backward (``GradSync.defer_wgrad``), which runs it once over every micro-batch's held FP8 operands
 (``triton_fp8_wgrad.wgrad_segments_into``, the same bits): the fp32 main grad is written once per step instead of read,
-added and written at every micro-batch. The forward and dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton
-is installed, with CUTLASS's bits and faster, above all at fine-grained experts with the precise accumulation
-(``LMOE_FP8_TRITON_GEMM=0``: CUTLASS's, for comparisons). There is no grouped kernel for E5M2 operands (the hybrid
-format's gradients) nor for blockwise scales on Hopper: those GEMMs run emulated.
+added and written at every micro-batch (once per N micro-batches with ``defer_expert_wgrad=N``). The forward and
+dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with CUTLASS's bits and faster, above all at
+fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``: CUTLASS's, for comparisons). There is
+no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run
+emulated.
 
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
 of about six; ``triton_fp8_weights.py``: both weight copies in two passes instead of four) where triton is installed
@@ -257,7 +258,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         dw = torch.empty_like(w_LKN)
         if defer:  # held until the step's last backward
             ctx.sync.defer_wgrad(ctx.param, (a, b, poffs_L),
-                                 lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec))
+                                 lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec),
+                                 spec.defer_window)
         elif ctx.sync is not None:
             ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
                                                                                  per_expert=True, fast=fast))

@@ -59,6 +59,8 @@ class FP8Spec:
     # FP8Training(defer_expert_wgrad=True): the experts' FP8 wgrad runs once per optimizer step, at the step's last
     # backward, over every micro-batch's held operands (``fp8_grouped_kernels``), writing the fp32 main grads once
     defer_wgrad: bool = False
+    # ... over at most this many micro-batches at a time (None: all of the step's), bounding the held operands
+    defer_window: Optional[int] = None
     # ... and the (K, C) and (N, C) E4M3 buffers its micro-batches' held operands go into, side by side (kept from step
     # to step: ``fp8_grouped_kernels._held_slots``)
     wgrad_arena: Optional[tuple] = None

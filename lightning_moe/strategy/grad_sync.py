@@ -203,15 +203,18 @@ class GradSync:
         write(p.main_grad, first)
         self._fused.add(id(p))
 
-    def defer_wgrad(self, p: torch.nn.Parameter, held, run) -> None:
+    def defer_wgrad(self, p: torch.nn.Parameter, held, run, window: Optional[int] = None) -> None:
         """A fused GEMM's backward whose weight gradient can wait for the step's last backward: ``held`` (this
         micro-batch's operands) is kept until p's last backward of the step (the armed one; under a pipeline schedule
         the one ``expect_final`` names), where ``run(main, first, helds)`` puts (``first``) or adds every held
         micro-batch's gradient into ``p.main_grad`` in one pass. Until then p's hook drops the placeholder gradient
-        and leaves main_grad as it is. ``finish`` runs what is still held (a last backward that never reached p)."""
+        and leaves main_grad as it is. ``finish`` runs what is still held (a last backward that never reached p).
+        ``window``: hold at most that many micro-batches; the backward that fills it runs them (bounding what is
+        held, at one more pass over the main grad per window)."""
         helds = self._deferred.setdefault(id(p), (p, run, []))[2]
         helds.append(held)
-        if self._armed and (self._final is None or id(p) in self._final):
+        full = window is not None and len(helds) >= window
+        if full or self._armed and (self._final is None or id(p) in self._final):
             del self._deferred[id(p)]
             self.accumulate_wgrad(p, lambda main, first: run(main, first, helds))
         else:

@@ -18,12 +18,13 @@ from tests.callbacks.test_fp8_training import _lm, _start
 
 
 class _Deferred(torch.autograd.Function):
-    """``x @ w`` whose wgrad ``x^T dy`` goes through ``defer_wgrad``; ``runs`` records each run's (first, count)."""
+    """``x @ w`` whose wgrad ``x^T dy`` goes through ``defer_wgrad`` (held over at most ``window`` micro-batches);
+    ``runs`` records each run's (first, count)."""
 
     @staticmethod
-    def forward(ctx, x, w, sync, runs):
+    def forward(ctx, x, w, sync, runs, window):
         ctx.save_for_backward(x)
-        ctx.w, ctx.sync, ctx.runs = w, sync, runs
+        ctx.w, ctx.sync, ctx.runs, ctx.window = w, sync, runs, window
         return x @ w
 
     @staticmethod
@@ -35,8 +36,8 @@ class _Deferred(torch.autograd.Function):
             total = sum(a.t() @ b for a, b in helds)
             main.copy_(total) if first else main.add_(total)
 
-        ctx.sync.defer_wgrad(w, (x.detach(), dy), run)
-        return dy @ w.t(), torch.empty_like(w), None, None
+        ctx.sync.defer_wgrad(w, (x.detach(), dy), run, ctx.window)
+        return dy @ w.t(), torch.empty_like(w), None, None, None
 
 
 def _setup():
@@ -50,8 +51,8 @@ def _micro(n: int, seed: int = 0):
     return [(torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)) for _ in range(n)]
 
 
-def _backward(w, sync, runs, x, dy):
-    _Deferred.apply(x, w, sync, runs).backward(dy)
+def _backward(w, sync, runs, x, dy, window=None):
+    _Deferred.apply(x, w, sync, runs, window).backward(dy)
 
 
 def _want(batches):
@@ -71,6 +72,31 @@ def test_held_until_the_armed_backward_then_one_pass_and_the_next_step_starts_ov
             if i < 2:
                 assert torch.isnan(w.main_grad).all() and not runs  # held, main grad untouched
         assert runs == [(True, 3)]
+        sync.finish()
+        torch.testing.assert_close(w.main_grad, _want(batches))
+        assert id(w) in sync.had_main_grad
+        sync.discard()
+        runs.clear()
+
+
+def test_a_window_runs_each_full_one_and_the_rest_at_the_armed_backward():
+    """``window=2`` over five micro-batches: the second and fourth backwards run two each (the first writing, the
+    second adding), the armed fifth the one left; the main grad is the sum of all five, and the next step starts over
+    with a write."""
+    w, sync, runs = _setup()
+    for step in range(2):
+        batches = _micro(5, seed=step)
+        w.main_grad.fill_(float("nan"))
+        for i, (x, dy) in enumerate(batches):
+            if i == 4:
+                sync.arm()
+            _backward(w, sync, runs, x, dy, window=2)
+            assert w.grad is None and len(sync.held(w)) == (1 if i in (0, 2) else 0)
+            if i == 1:  # the first window, written
+                torch.testing.assert_close(w.main_grad, _want(batches[:2]))
+            if i == 2:  # held: the main grad as the first window left it
+                torch.testing.assert_close(w.main_grad, _want(batches[:2]))
+        assert runs == [(True, 2), (False, 2), (False, 1)]
         sync.finish()
         torch.testing.assert_close(w.main_grad, _want(batches))
         assert id(w) in sync.had_main_grad
@@ -123,6 +149,11 @@ def test_finish_runs_what_is_still_held_and_discard_drops_it():
 
 
 def test_callback_refuses_what_cannot_defer(monkeypatch):
+    for bad in (1, 0, -2, 2.5, "4"):
+        with pytest.raises(ValueError, match=r"want True .*or an int N >= 2"):
+            FP8Training("rowwise", defer_expert_wgrad=bad)
+    assert FP8Training("rowwise", defer_expert_wgrad=True).defer_window is None
+    assert FP8Training("rowwise", defer_expert_wgrad=4).defer_window == 4
     for kwargs in (dict(recipe="tensorwise"), dict(recipe="blockwise"), dict(recipe="rowwise", fp8_wgrad=False)):
         with pytest.raises(ValueError, match="only the rowwise recipe's FP8 expert wgrad"):
             FP8Training(defer_expert_wgrad=True, **kwargs)
@@ -154,11 +185,12 @@ def test_callback_refuses_what_cannot_defer(monkeypatch):
     for n, p in lm.named_parameters():
         if ".experts.w" in n:
             p.main_grad_sink = lambda: sync  # as GradSync(fuse_wgrad=True) attaches it
-    cb = FP8Training("rowwise", defer_expert_wgrad=True)
+    cb = FP8Training("rowwise", defer_expert_wgrad=3)
     _start(cb, lm)
     specs = {n: vars(m)["_mm"].keywords["spec"] for n, m in lm.named_modules() if "_mm" in vars(m)}
     experts = [n for n in specs if "experts.fc" in n]
     assert experts and all(specs[n].defer_wgrad == (n in experts) for n in specs)  # the dense linears: not deferred
+    assert all(specs[n].defer_window == (3 if n in experts else None) for n in specs)
 
 
 def test_held_operands_go_side_by_side_into_the_arenas():
