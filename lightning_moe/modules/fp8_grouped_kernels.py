@@ -21,7 +21,8 @@ backward (``GradSync.defer_wgrad``), which runs it once over every micro-batch's
 (``triton_fp8_wgrad.wgrad_segments_into``, the same bits): the fp32 main grad is written once per step instead of read,
 added and written at every micro-batch (once per N micro-batches with ``defer_expert_wgrad=N``). The forward and
 dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with CUTLASS's bits and faster, above all at
-fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``: CUTLASS's, for comparisons). There is
+fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``: CUTLASS's, for comparisons); the
+precise ones over K >= 4,096 on ``gluon_fp8_grouped_mm`` with ``LMOE_FP8_GLUON_GEMM=1`` (the same bits). There is
 no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run
 emulated.
 
@@ -50,6 +51,8 @@ ALIGN = 16  # rows: 16 bytes of E4M3
 FUSED_QUANT = os.environ.get("LMOE_FP8_TRITON_QUANT", "1") != "0"
 TRITON_WGRAD = os.environ.get("LMOE_FP8_TRITON_WGRAD", "1") != "0"
 TRITON_GEMM = os.environ.get("LMOE_FP8_TRITON_GEMM", "1") != "0"
+# opt-in: the Gluon precise GEMM gained 1-2 % on Mixtral's model (docs/PERFORMANCE.md), on triton's experimental API
+GLUON_GEMM = os.environ.get("LMOE_FP8_GLUON_GEMM", "0") == "1"
 
 
 def available(device: torch.device) -> bool:
@@ -76,10 +79,14 @@ def _gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
 
 def _rows_gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
     """The forward or dgrad GEMM, rows grouped by expert: ``_gemm``'s product (``b`` (L, K, N) column-major) and bits,
-    on ``triton_fp8_grouped_mm`` (faster, above all at fine-grained experts with the precise accumulation)."""
+    on ``triton_fp8_grouped_mm`` (faster, above all at fine-grained experts with the precise accumulation), and, with
+    ``GLUON_GEMM``, the precise accumulation over a long K on ``gluon_fp8_grouped_mm`` (promotion overlapping MMAs)."""
     tg = load("triton_fp8_grouped_mm", a, TRITON_GEMM) if not interpreting() else None  # interpreter: no FP8 dot
     if tg is None:
         return _gemm(a, b, inv_a, inv_b, offs, fast)
+    gm = load("gluon_fp8_grouped_mm", a, GLUON_GEMM and not fast)
+    if gm is not None and a.shape[1] >= gm.MIN_K:
+        return gm.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs)
     return tg.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs, fast)
 
 

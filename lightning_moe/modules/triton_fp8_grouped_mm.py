@@ -80,6 +80,17 @@ def config_for(fast: bool, K: int) -> tuple:
     return CONFIGS["precise" if not fast else "fast_short_k" if K <= SHORT_K else "fast"]
 
 
+def check_operands(a_MK, b_LNK, sa_M, sb_LN, offs_L) -> tuple:
+    """(M, K, N, L) of a grouped GEMM's operands; ValueError where they do not fit together."""
+    M, K = a_MK.shape
+    L, N, Kb = b_LNK.shape
+    if Kb != K or sa_M.numel() != M or sb_LN.numel() != L * N or offs_L.numel() != L or K % 16:
+        raise ValueError(f"FP8 grouped GEMM: a {tuple(a_MK.shape)}, b {tuple(b_LNK.shape)}, scales "
+                         f"{tuple(sa_M.shape)} and {tuple(sb_LN.shape)}, {offs_L.numel()} offsets: want (M, K), "
+                         "(L, N, K), M and L x N scales, L offsets, K a multiple of 16")
+    return M, K, N, L
+
+
 @torch.no_grad()
 def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_LN: torch.Tensor,
                offs_L: torch.Tensor, fast: bool = False, config: Optional[tuple] = None,
@@ -88,12 +99,7 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
     ``sa`` (M,) or (M, 1) and ``sb`` (L, N) or (L, 1, N) dequantize (the reciprocals of the quantization scales);
     ``offs``: the experts' cumulative row ends, on the device. ``config``: (BLOCK_M, BLOCK_N, warps, stages), by
     default ``config_for``'s."""
-    M, K = a_MK.shape
-    L, N, Kb = b_LNK.shape
-    if Kb != K or sa_M.numel() != M or sb_LN.numel() != L * N or offs_L.numel() != L or K % 16:
-        raise ValueError(f"FP8 grouped GEMM: a {tuple(a_MK.shape)}, b {tuple(b_LNK.shape)}, scales "
-                         f"{tuple(sa_M.shape)} and {tuple(sb_LN.shape)}, {offs_L.numel()} offsets: want (M, K), "
-                         "(L, N, K), M and L x N scales, L offsets, K a multiple of 16")
+    M, K, N, L = check_operands(a_MK, b_LNK, sa_M, sb_LN, offs_L)
     out = torch.empty(M, N, device=a_MK.device, dtype=out_dtype)
     if M == 0 or N == 0 or L == 0:
         return out

@@ -8,6 +8,7 @@ triton (CI), without its NVIDIA backend, or under its interpreter."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -131,3 +132,44 @@ def test_segments_wgrad_is_pipelined_across_segments(config_name, fast, acc):
     assert ir.count("ttng.async_tma_copy_global_to_local") == 2 * stages
     assert _in_flight(ir)
     assert compiled.metadata.shared <= 232448
+
+
+def _ptxas():
+    """triton's own ptxas (its NVIDIA backend ships one), or None."""
+    path = os.path.join(os.path.dirname(importlib.import_module("triton.backends.nvidia").__file__), "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+@nvidia
+def test_gluon_precise_gemm_keeps_its_mmas_in_flight(tmp_path):
+    """``gluon_fp8_grouped_mm``: assembled for sm_90a by triton's ptxas without C7514 (the info ptxas prints where it
+    serializes every MMA, as it does for triton's precise kernel), without spills, and waiting with one group of
+    MMAs in flight (``wgmma.wait_group 1``: a block's promotion runs while the next block multiplies)."""
+    import subprocess
+    gm = pytest.importorskip("lightning_moe.modules.gluon_fp8_grouped_mm")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("this triton ships no ptxas")
+    bm, bn, warps, stages = gm.CONFIG
+    la = gl.NVMMASharedLayout.get_default_for([bm, gm.BLOCK_K], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, gm.BLOCK_K], gl.float8e4nv)
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {gm.BLOCK_K}],{la!r}>", "sa_ptr": "*fp32",
+           "b_desc": f"tensordesc<fp8e4nv[{bn}, {gm.BLOCK_K}],{lb!r}>", "sb_ptr": "*fp32", "out_ptr": "*bf16",
+           "offs_ptr": "*i32", "N": "i32", "K": "i32", "L": "i32", "TILES": "i32"}
+    const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_L": 16, "GROUP_M": 8, "STAGES": stages, "num_warps": warps}
+    sig.update({k: "constexpr" for k in const})
+    names = gm._kernel.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "out_ptr", "offs_ptr", "N",
+                                                                    "K")}
+    compiled = triton.compile(GluonASTSource(gm._kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    (tmp_path / "k.ptx").write_text(ptx)
+    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    assert "C7514" not in out and "serialized" not in out, out
+    assert " 0 bytes spill stores" in out, out
