@@ -104,6 +104,31 @@ def test_a_window_runs_each_full_one_and_the_rest_at_the_armed_backward():
         runs.clear()
 
 
+def test_a_window_under_a_pipeline_schedule_and_at_finish():
+    """``window=2`` inside a pipeline schedule's armed step (every backward armed, only the one ``expect_final`` names
+    final): full windows run as they fill, the rest at the final backward; and what a window leaves held when no
+    final backward reaches the weight runs at ``finish``, adding."""
+    w, sync, runs = _setup()
+    batches = _micro(5)
+    sync.arm()
+    sync.expect_final([])
+    for i, (x, dy) in enumerate(batches):
+        if i == 4:
+            sync.expect_final([w])
+        _backward(w, sync, runs, x, dy, window=2)
+    assert runs == [(True, 2), (False, 2), (False, 1)]
+    sync.finish()
+    torch.testing.assert_close(w.main_grad, _want(batches))
+    sync.discard()
+    runs.clear()
+    for x, dy in batches[:3]:
+        _backward(w, sync, runs, x, dy, window=2)
+    sync.arm()
+    sync.finish()  # the armed backward never reached w: the third micro-batch is still held
+    assert runs == [(True, 2), (False, 1)]
+    torch.testing.assert_close(w.main_grad, _want(batches[:3]))
+
+
 def test_one_micro_batch_runs_at_once():
     w, sync, runs = _setup()
     (x, dy), = _micro(1)
