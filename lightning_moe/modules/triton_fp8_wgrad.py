@@ -336,17 +336,7 @@ def wgrad_segments_into(out_LKN: torch.Tensor, a: tuple, b: tuple, starts_SL: to
     ``starts``/``ends`` (S, L): each segment's expert's tokens, [start, end) in P, on 128-token boundaries.
     ``config``: (BLOCK_K, BLOCK_N, warps, stages), by default ``segments_config``'s."""
     (aT, sa), (bT, sb) = a, b
-    if out_LKN.dim() != 3:
-        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)}: want (L, K, N), one (K, N) gradient per expert")
-    L, K, N = out_LKN.shape
-    S, P = starts_SL.shape[0], aT.shape[1]
-    if (not out_LKN.is_contiguous() or aT.shape != (K, P) or bT.shape != (N, P) or P % T
-            or sa.shape != (S, L, K) or sb.shape != (S, L, N) or starts_SL.shape != (S, L)
-            or ends_SL.shape != (S, L)):
-        raise ValueError(f"FP8 wgrad over segments: out {tuple(out_LKN.shape)} (contiguous), aT {tuple(aT.shape)}, "
-                         f"bT {tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}, starts "
-                         f"{tuple(starts_SL.shape)}, ends {tuple(ends_SL.shape)}: want (L, K, N), (K, P), (N, P) with "
-                         f"P a multiple of {T}, scales (S, L, K) and (S, L, N), starts and ends (S, L)")
+    L, K, N, S, P = check_segments(out_LKN, aT, sa, bT, sb, starts_SL, ends_SL)
     if P == 0 or L == 0 or S == 0:
         if first:
             out_LKN.zero_()
@@ -360,6 +350,22 @@ def wgrad_segments_into(out_LKN: torch.Tensor, a: tuple, b: tuple, starts_SL: to
         da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, starts_SL.to(torch.int32).contiguous(),
         ends_SL.to(torch.int32).contiguous(), K, N, L, S, P, ACC=not first, FAST=fast, BLOCK_K=bk, BLOCK_N=bn,
         TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+
+
+def check_segments(out_LKN, aT, sa, bT, sb, starts_SL, ends_SL) -> tuple:
+    """(L, K, N, S, P) of the wgrad over segments' arguments; ValueError where they do not fit together."""
+    if out_LKN.dim() != 3:
+        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)}: want (L, K, N), one (K, N) gradient per expert")
+    L, K, N = out_LKN.shape
+    S, P = starts_SL.shape[0], aT.shape[1]
+    if (not out_LKN.is_contiguous() or aT.shape != (K, P) or bT.shape != (N, P) or P % T
+            or sa.shape != (S, L, K) or sb.shape != (S, L, N) or starts_SL.shape != (S, L)
+            or ends_SL.shape != (S, L)):
+        raise ValueError(f"FP8 wgrad over segments: out {tuple(out_LKN.shape)} (contiguous), aT {tuple(aT.shape)}, "
+                         f"bT {tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}, starts "
+                         f"{tuple(starts_SL.shape)}, ends {tuple(ends_SL.shape)}: want (L, K, N), (K, P), (N, P) with "
+                         f"P a multiple of {T}, scales (S, L, K) and (S, L, N), starts and ends (S, L)")
+    return L, K, N, S, P
 
 
 def _rows_16(t: torch.Tensor) -> torch.Tensor:
