@@ -6,8 +6,7 @@
                    ``wgrad_segments_into`` over every micro-batch's operands: ``_concatenated`` where they are separate
                    tensors (the first step), ``_in_arena`` where they were quantized side by side into the arenas (the
                    later steps)
-  segments_only    the kernel alone, over each config of the sweep (``_gluon``: the precise accumulation on
-                   ``gluon_fp8_wgrad``; ``per_micro_batch_precise_gluon``: its one-segment kernel per micro-batch)
+  segments_only    the kernel alone, over each config of the sweep
 
 at bench_model's micro-batch shapes (``bench_fp8_wgrad.SHAPES``: mixtral-b1, 1,024 tokens per expert, and qwen3-b2,
 512), balanced routing, S micro-batches each with its own scales. Prints JSON: median ms, TFLOP/s (2 S M K N FLOPs),
@@ -27,8 +26,6 @@ from bench_fp8_wgrad import SHAPES, timed
 from common import emit, env_info, log
 
 SWEEP = [None, (128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4)]
-# (config, steps per loop iteration)
-GLUON_SWEEP = [(None, 2), (None, 3), ((128, 128, 8, 3), 3), ((64, 128, 4, 3), 2), ((64, 128, 4, 4), 3)]
 
 
 def main() -> None:
@@ -41,12 +38,7 @@ def main() -> None:
     from lightning_moe.modules import triton_fp8_wgrad as tw
     from lightning_moe.modules.fp8 import scale_of
     from lightning_moe.modules.fp8_grouped import expert_of_rows
-    from lightning_moe.modules import fp8_grouped_kernels as kernels
-    from lightning_moe.modules.fp8_grouped_kernels import _wgrad_into, _wgrad_of_micro_batches
-    try:
-        from lightning_moe.modules import gluon_fp8_wgrad as gw
-    except ImportError:  # a triton without Gluon
-        gw = None
+    from lightning_moe.modules.fp8_grouped_kernels import _wgrad_of_micro_batches
     from lightning_moe.modules.fp8_linear import FP8Spec
     dev = torch.device("cuda")
     records = []
@@ -95,28 +87,16 @@ def main() -> None:
                     tw, main, True, list(in_arena), fast, FP8Spec("rowwise")), dev, args.iters))
                 per_micro_batch()
                 ref = main.clone()
-                sweep = [(c, tw.wgrad_segments_into, {"fast": fast}, "") for c in SWEEP]
-                if not fast and gw is not None:  # the precise accumulation on Gluon (no injected waits)
-                    sweep += [(c, gw.wgrad_segments_into, {"unroll": u}, f"_gluon_u{u}") for c, u in GLUON_SWEEP]
-                for c, fn, kw, kind in sweep:
-                    key = f"segments_only_{tag}{kind}_{'x'.join(map(str, c)) if c else 'default'}"
+                for c in SWEEP:
+                    key = f"segments_only_{tag}_{'x'.join(map(str, c)) if c else 'default'}"
+                    rec[key] = rate(timed(lambda c=c, fast=fast: tw.wgrad_segments_into(
+                        main, a, b, starts, ends, True, fast=fast, config=c), dev, args.iters))
+                    main.zero_()
                     try:
-                        rec[key] = rate(timed(lambda c=c, fn=fn, kw=kw: fn(main, a, b, starts, ends, True, config=c,
-                                                                           **kw), dev, args.iters))
-                        main.zero_()
-                        fn(main, a, b, starts, ends, True, config=c, **kw)
+                        tw.wgrad_segments_into(main, a, b, starts, ends, True, fast=fast, config=c)
                         rec[key + "_bits_equal"] = bool(torch.equal(main, ref))
                     except Exception as e:  # noqa: BLE001 - reported, not fatal
                         rec[key + "_bits_equal"] = f"{type(e).__name__}: {str(e)[:160]}"
-                if not fast and gw is not None:  # one micro-batch at a time, each on Gluon's one-segment kernel
-                    def per_micro_batch_gluon():
-                        for i, (ha, hb, o) in enumerate(helds):
-                            _wgrad_into(tw, main, ha, hb, o, i == 0, False)
-                    kernels.GLUON_WGRAD = True
-                    rec["per_micro_batch_precise_gluon"] = rate(timed(per_micro_batch_gluon, dev, args.iters))
-                    per_micro_batch_gluon()
-                    rec["per_micro_batch_precise_gluon_bits_equal"] = bool(torch.equal(main, ref))
-                    kernels.GLUON_WGRAD = False
             log(f"{name} {gemm}: {rec}")
             records.append(rec)
             helds = in_arena = a = b = main = None  # freed before the next GEMM's operands

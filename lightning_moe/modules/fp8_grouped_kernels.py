@@ -53,8 +53,6 @@ TRITON_WGRAD = os.environ.get("LMOE_FP8_TRITON_WGRAD", "1") != "0"
 TRITON_GEMM = os.environ.get("LMOE_FP8_TRITON_GEMM", "1") != "0"
 # opt-in: the Gluon precise GEMM gained 1-2 % on Mixtral's model (docs/PERFORMANCE.md), on triton's experimental API
 GLUON_GEMM = os.environ.get("LMOE_FP8_GLUON_GEMM", "0") == "1"
-# the precise wgrad on Gluon (gluon_fp8_wgrad: the Triton kernels' bits without ptxas's injected waits)
-GLUON_WGRAD = os.environ.get("LMOE_FP8_GLUON_WGRAD", "0") == "1"
 
 
 def available(device: torch.device) -> bool:
@@ -270,28 +268,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
                                  lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec),
                                  spec.defer_window)
         elif ctx.sync is not None:
-            ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: _wgrad_into(wk, main, a, b, poffs_L, first, fast))
+            ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
+                                                                                 per_expert=True, fast=fast))
         else:
-            _wgrad_into(wk, dw, a, b, poffs_L, True, fast)
+            wk.wgrad_into(dw, a, b, poffs_L, True, per_expert=True, fast=fast)
         ctx.sync = ctx.param = None
         return dx.to(x_MK.dtype), dw, None, None, None, None
-
-
-def _gluon_wgrad(t: torch.Tensor, fast: bool):
-    """``gluon_fp8_wgrad`` where it takes the precise wgrad (``GLUON_WGRAD``); else None."""
-    return load("gluon_fp8_wgrad", t, GLUON_WGRAD and not fast) if not interpreting() else None
-
-
-def _wgrad_into(wk, main_LKN, a: tuple, b: tuple, poffs_L, first: bool, fast: bool) -> None:
-    """One micro-batch's per-expert wgrad into ``main`` (written or added): ``wk.wgrad_into``, or with the precise
-    accumulation on Gluon its one-segment kernel (the same bits)."""
-    gw = _gluon_wgrad(main_LKN, fast)
-    if gw is None:
-        wk.wgrad_into(main_LKN, a, b, poffs_L, first, per_expert=True, fast=fast)
-        return
-    ends_1L = poffs_L.to(torch.int32).unsqueeze(0)
-    gw.wgrad_segments_into(main_LKN, (a[0], a[1].unsqueeze(0)), (b[0], b[1].unsqueeze(0)),
-                           F.pad(ends_1L[:, :-1], (1, 0)), ends_1L, first)
 
 
 def _held_slots(spec: FP8Spec, helds: list, K: int, N: int, P: int) -> tuple:
@@ -324,7 +306,7 @@ def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool, 
     into new arenas for the next step."""
     if len(helds) == 1:  # no accumulation: the usual kernel
         a, b, poffs_L = helds.pop()
-        _wgrad_into(wk, main_LKN, a, b, poffs_L, first, fast)
+        wk.wgrad_into(main_LKN, a, b, poffs_L, first, per_expert=True, fast=fast)
         return
     starts, ends, base = [], [], 0
     for (aT, _), _, poffs_L in helds:  # each micro-batch's expert ranges, shifted to its place (no host sync)
@@ -339,11 +321,7 @@ def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool, 
         aT, bT = torch.cat([h[0][0] for h in helds], 1), torch.cat([h[1][0] for h in helds], 1)
         spec.wgrad_arena = (aT, bT)
     helds.clear()
-    gw = _gluon_wgrad(main_LKN, fast)
-    if gw is not None:
-        gw.wgrad_segments_into(main_LKN, (aT, sa), (bT, sb), starts_SL, ends_SL, first)
-    else:
-        wk.wgrad_segments_into(main_LKN, (aT, sa), (bT, sb), starts_SL, ends_SL, first, fast=fast)
+    wk.wgrad_segments_into(main_LKN, (aT, sa), (bT, sb), starts_SL, ends_SL, first, fast=fast)
 
 
 def _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN) -> torch.Tensor:
