@@ -1,5 +1,6 @@
 """Where an FP8 expert block's time goes: the SwiGLU grouped-GEMM block of ``bench_layer.py`` at one shape, forward +
-backward, in bf16 and in FP8 (``--precision``), profiled; prints each run's CUDA kernels by total time as JSON.
+backward, in bf16 and in FP8 (``--precision``), profiled (``--fused-swiglu``: both with the Triton SwiGLU); prints
+each run's CUDA kernels by total time as JSON.
 
     python benchmarks/profile_fp8_block.py --shape qwen3 --precision fp8-rowwise,fp8-tensorwise
 """
@@ -11,7 +12,7 @@ from collections import defaultdict
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from bench_layer import SHAPES, bare_block, fp8_block, fp8_specs
+from bench_layer import SHAPES, bare_block, bare_fused_block, fp8_block, fp8_specs
 from common import emit, env_info, pick_device, time_fn
 
 
@@ -20,6 +21,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shape", default="qwen3", choices=list(SHAPES))
     p.add_argument("--precision", default="fp8-rowwise,fp8-tensorwise")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--fused-swiglu", action="store_true", help="both blocks with the layer's Triton SwiGLU")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = pick_device(False)
@@ -30,16 +32,17 @@ def main(argv=None) -> dict:
     w13 = (torch.randn(E, h, 2 * f, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
     w2 = (torch.randn(E, f, h, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
     g = torch.randn(M, h, device=device, dtype=torch.bfloat16)
-    result = {"benchmark": "fp8_block_profile", "env": env_info(device), "shape": args.shape, "runs": {}}
+    result = {"benchmark": "fp8_block_profile", "env": env_info(device), "shape": args.shape,
+              "fused_swiglu": args.fused_swiglu, "runs": {}}
     for precision in ["bf16"] + [q for q in args.precision.split(",") if q]:
         if precision == "bf16":
             def step():
-                bare_block(x, w13, w2, offs).backward(g)
+                (bare_fused_block if args.fused_swiglu else bare_block)(x, w13, w2, offs).backward(g)
         else:
             s1, s2 = fp8_specs(precision)
 
             def step(s1=s1, s2=s2):
-                fp8_block(x, w13, w2, offs, s1, s2).backward(g)
+                fp8_block(x, w13, w2, offs, s1, s2, args.fused_swiglu).backward(g)
         t = time_fn(step, device, 10, 3, [x, w13, w2], "events")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):

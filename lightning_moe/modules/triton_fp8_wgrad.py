@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lightning_moe.modules.kernels import interpreting, load
 from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
 
 T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
@@ -33,6 +34,9 @@ T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise
 # the one-tile one when writing (where the persistent one measured 0.87-0.99x); "1" / "0" always / never, for
 # comparisons
 PERSISTENT = os.environ.get("LMOE_FP8_WGRAD_PERSISTENT", "auto")
+# the per-expert wgrad with fast accumulation, written, on the warp-specialized Gluon kernel (``gluon_fp8_wgrad``: the
+# same bits) where it fits; "0": the triton kernels, for comparisons
+GLUON = os.environ.get("LMOE_FP8_GLUON_WGRAD", "1") != "0"
 
 
 @triton.jit
@@ -264,6 +268,16 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     ``use_persistent`` (``tma_out`` implies it). ``tma_out`` (persistent only; on an H100 0.89-1.02x the pointers'
     rate when adding, 0.82-0.99x writing, so not the default): the output tiles read and written by TMA, where
     ``out``'s rows are 16-byte aligned."""
+    if (GLUON and per_expert and fast and first and config is None and persistent is None and not tma_out
+            and out_LKN.is_cuda and not interpreting()):
+        gw = load("gluon_fp8_wgrad", out_LKN)
+        if gw is not None and out_LKN.dim() == 3 and gw.fits(*out_LKN.shape[1:], out_LKN):
+            check_args(out_LKN, aT=a[0], sa=a[1], bT=b[0], sb=b[1], per_expert=True)
+            if a[0].shape[1] and out_LKN.shape[0]:
+                gw.wgrad(out_LKN, a[0], a[1], b[0], b[1], offs_L)
+            else:
+                out_LKN.zero_()
+            return
     if persistent is None:
         persistent = tma_out or use_persistent(per_expert, first)
     if persistent and not per_expert:
@@ -271,18 +285,8 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     if tma_out and not persistent:
         raise ValueError("FP8 wgrad: tma_out is an option of the persistent kernel (persistent=True)")
     (aT, sa), (bT, sb) = a, b
-    if out_LKN.dim() != 3:
-        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)}: want (L, K, N), one (K, N) gradient per expert")
-    L, K, N = out_LKN.shape
-    P = aT.shape[1]
+    L, K, N, P = check_args(out_LKN, aT, sa, bT, sb, per_expert)
     per_block = not per_expert
-    want_sa, want_sb = ((P // T, K), (P // T, N)) if per_block else ((L, K), (L, N))
-    if (not out_LKN.is_contiguous() or aT.shape != (K, P) or bT.shape != (N, P) or P % T
-            or sa.shape != want_sa or sb.shape != want_sb):
-        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)} (contiguous), aT {tuple(aT.shape)}, bT "
-                         f"{tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}: want (L, K, N), (K, P), "
-                         f"(N, P) with P a multiple of {T}, and scales per 128-token block ((P / {T}, K), "
-                         f"(P / {T}, N)) or per expert ((L, K), (L, N))")
     if tma_out and ((N * out_LKN.element_size()) % 16 or out_LKN.data_ptr() % 16):
         raise ValueError(f"FP8 wgrad: tma_out needs out's rows 16-byte aligned (N = {N} of {out_LKN.dtype}, data "
                          f"at {out_LKN.data_ptr() % 16} mod 16); use tma_out=False")
@@ -310,6 +314,22 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
     _fp8_wgrad_kernel[grid](da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,
                             offs_L.to(torch.int32), K, N, ACC=not first, PER_BLOCK=per_block, FAST=fast,
                             BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+
+
+def check_args(out_LKN, aT, sa, bT, sb, per_expert: bool) -> tuple:
+    """(L, K, N, P) of ``wgrad_into``'s arguments; ValueError where they do not fit together."""
+    if out_LKN.dim() != 3:
+        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)}: want (L, K, N), one (K, N) gradient per expert")
+    L, K, N = out_LKN.shape
+    P = aT.shape[1]
+    want_sa, want_sb = ((L, K), (L, N)) if per_expert else ((P // T, K), (P // T, N))
+    if (not out_LKN.is_contiguous() or aT.shape != (K, P) or bT.shape != (N, P) or P % T
+            or sa.shape != want_sa or sb.shape != want_sb):
+        raise ValueError(f"FP8 wgrad: out {tuple(out_LKN.shape)} (contiguous), aT {tuple(aT.shape)}, bT "
+                         f"{tuple(bT.shape)}, scales {tuple(sa.shape)}, {tuple(sb.shape)}: want (L, K, N), (K, P), "
+                         f"(N, P) with P a multiple of {T}, and scales per 128-token block ((P / {T}, K), "
+                         f"(P / {T}, N)) or per expert ((L, K), (L, N))")
+    return L, K, N, P
 
 
 # the segments kernel: two fp32 tiles live across its loop (the running sum and the segment's accumulator). Measured on

@@ -173,3 +173,48 @@ def test_gluon_precise_gemm_keeps_its_mmas_in_flight(tmp_path):
                          capture_output=True, text=True, check=True).stderr
     assert "C7514" not in out and "serialized" not in out, out
     assert " 0 bytes spill stores" in out, out
+
+
+@nvidia
+@pytest.mark.parametrize("which", ["CONFIG", "NARROW_CONFIG"])
+@pytest.mark.parametrize("out", ["bf16", "fp32"])
+def test_gluon_wgrad_fits_and_keeps_one_mma_in_flight(tmp_path, which, out):
+    """``gluon_fp8_wgrad``'s configs, assembled for sm_90a by triton's ptxas: within Hopper's shared memory, no
+    spills, the MMA warps raised to at least 232 registers (``setmaxnreg``), one group of MMAs left in flight while a
+    block is waited for, and a barrier among the MMA warps before each TMA store reads what they wrote."""
+    import re
+    import subprocess
+    gw = pytest.importorskip("lightning_moe.modules.gluon_fp8_wgrad")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("this triton ships no ptxas")
+    bk, bn, warps, stages, *rest = getattr(gw, which)
+    split = 128 // (2 if out == "bf16" else 4)
+    la = gl.NVMMASharedLayout.get_default_for([bk, gw.T], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, gw.T], gl.float8e4nv)
+    lc = gl.NVMMASharedLayout.get_default_for([bk, split], gl.bfloat16 if out == "bf16" else gl.float32)
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bk}, {gw.T}],{la!r}>", "sa_ptr": "*fp32",
+           "b_desc": f"tensordesc<fp8e4nv[{bn}, {gw.T}],{lb!r}>", "sb_ptr": "*fp32",
+           "c_desc": f"tensordesc<{out}[{bk}, {split}],{lc!r}>", "offs_ptr": "*i32", "K": "i32", "N": "i32",
+           "L": "i32"}
+    const = {"BLOCK_K": bk, "BLOCK_N": bn, "GROUP_K": 8, "STAGES": stages, "CONSUMERS": rest[0] if rest else 1,
+             "WORKER_REGS": gw.WORKER_REGS, "num_warps": warps}
+    sig.update({k: "constexpr" for k in const})
+    names = gw._kernel.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "offs_ptr", "K", "N")}
+    compiled = triton.compile(GluonASTSource(gw._kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "maxnreg": gw.MAXNREG})
+    assert compiled.metadata.shared <= 232448
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert max(int(r) for r in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)) >= 232
+    store = ptx.index("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group")
+    last_write = max(ptx.rfind("stmatrix", 0, store), ptx.rfind("st.shared", 0, store))
+    assert re.search(r"bar\.sync\s+\d+, (128|256);", ptx[last_write:store])
+    (tmp_path / "k.ptx").write_text(ptx)
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    assert " 0 bytes spill stores" in res, res

@@ -1,0 +1,231 @@
+"""The experts' FP8 weight gradient with fast accumulation, written (not added), warp-specialized in Gluon:
+
+    out[l] = sa[l][:, None] * sb[l][None, :] * (aT_l @ bT_l^T)      over expert l's tokens (``offs``: their ends)
+
+with ``triton_fp8_wgrad.wgrad_into(..., per_expert=True, fast=True)``'s arguments and bits for ``first=True``.
+
+Why: the wgrad reduces over only the expert's tokens (2,048 at Mixtral's block, 1,024 at Qwen3's), so a tile's MMAs
+are short against its pipeline fill and epilogue, and the triton kernels ran at 860-1,100 TFLOP/s against the
+forward's 1,370. Here one program per SM loops over tiles (persistent) and a one-warp loader partition streams every
+tile's 128-token blocks through the shared-memory stages without waiting for epilogues; the MMA warps write each tile
+through shared memory by asynchronous TMA stores (in pieces of 128-byte rows, two buffers). With two consumers (one
+warpgroup each, alternate tiles, main loops taking turns) one's epilogue also runs under the other's MMAs.
+
+The MMAs run in the same order with the same accumulator as the triton kernel (one fp32 accumulator per tile, the
+tensor cores' own accumulation) and the epilogue multiplies by the same scales in the same order: the same bits.
+Each expert's tokens start on a 128-token boundary (``triton_fp8_wgrad``'s layout); an expert without tokens gets
+zeros. Output rows are tiled 128 at a time per expert, so K must be a multiple of 128 (``fits``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+T = 128  # tokens per block (the wgrad layout's alignment)
+# (BLOCK_K, BLOCK_N, warps, stages[, consumers]): one consumer of two warpgroups on 128 x 256 tiles (64 accumulator rows
+# per warpgroup), or two consumers of one warpgroup each on 128 x 128 tiles taking turns (one's epilogue under the
+# other's MMAs). Measured on an H100 (docs/PERFORMANCE.md): the two consumers win where the experts have at most
+# NARROW_TOKENS tokens each (Qwen3's block, the models' micro-batches), the one consumer at Mixtral's block (2,048)
+CONFIG, NARROW_CONFIG, NARROW_TOKENS = (128, 256, 8, 4), (128, 128, 4, 5, 2), 1024
+MAXNREG = 168  # 12 warps (8 + the loader's warpgroup) x 32 x 168 fits the register file; the MMA warps get 240
+WORKER_REGS = 232  # two consumers of 4 warps (``config``'s fifth entry): the second's registers (the first gets 248)
+_T = gl.constexpr(T)
+
+
+def config_for(tokens: int, experts: int) -> tuple:
+    """The default config for ``tokens`` padded tokens over ``experts`` (host numbers: no sync)."""
+    return NARROW_CONFIG if tokens <= (NARROW_TOKENS + T) * experts else CONFIG
+
+
+def fits(K: int, N: int, out: torch.Tensor) -> bool:
+    """Whether the kernel takes this output: K rows tile by 128 per expert, and TMA stores its rows."""
+    return K % CONFIG[0] == 0 and (N * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
+
+
+@gluon.jit
+def _tile(t, offs_ptr, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr):
+    """Tile ``t``: (expert, K tile, N tile, first token, 128-token blocks); GROUP_K K tiles in a row share each N
+    tile while it is in L2 (``triton_grouped_wgrad.grouped_tile``'s order)."""
+    tiles_k, tiles_n = gl.cdiv(K, BLOCK_K), gl.cdiv(N, BLOCK_N)
+    per_e = tiles_k * tiles_n
+    e = t // per_e
+    r = t % per_e
+    width = GROUP_K * tiles_n
+    first_k = (r // width) * GROUP_K
+    size = gl.minimum(tiles_k - first_k, GROUP_K)
+    pk = first_k + (r % width) % size
+    pn = (r % width) // size
+    start = gl.where(e > 0, gl.load(offs_ptr + gl.maximum(e - 1, 0)), 0)
+    nk = (gl.load(offs_ptr + e) - start) // _T
+    return e, pk, pn, start, nk
+
+
+@gluon.jit
+def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, K, N, tiles, BLOCK_K: gl.constexpr,
+          BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: every block of this program's tiles into the stages, as soon as a stage is free."""
+    it = 0
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, pk, pn, start, nk = _tile(t, offs_ptr, K, N, BLOCK_K, BLOCK_N, GROUP_K)
+        for kb in range(nk):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pk * BLOCK_K, start + kb * _T], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pn * BLOCK_N, start + kb * _T], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _split_n(x, PIECES: gl.constexpr):
+    """``x`` (M, N) as PIECES column pieces of N / PIECES, left to right (register renaming: in the MMA layout the
+    high column bits are a thread's registers)."""
+    xs = (x, )
+    for _ in gl.static_range(PIECES.bit_length() - 1):
+        nxt = ()
+        for j in gl.static_range(len(xs)):
+            y = xs[j]
+            nxt += y.reshape(y.shape[0], 2, y.shape[1] // 2).permute(0, 2, 1).split()
+        xs = nxt
+    return xs
+
+
+@gluon.jit
+def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
+             BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMERS: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr):
+    """MMA warps (consumer C of CONSUMERS, taking every CONSUMERS-th of the program's tiles): each tile's MMAs with
+    one in flight (a stage is released once its MMA is done), then the scaled tile out through shared memory by TMA,
+    the stores left in flight into the next tile. Two consumers alternate tiles: one's epilogue runs while the
+    other's MMAs do. Their main loops take turns (``order``: each waits until the other has waited for its tile's
+    last block), so that no consumer waits on a stage's barrier more than one phase ahead of the loads: a parity
+    wait cannot tell phases two apart."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    PIECES: gl.constexpr = BLOCK_N // c_desc.block_type.shape[1]
+    it = 0  # the program's blocks before this tile (the stage ring's position)
+    j = 0
+    n = 0  # this consumer's tiles so far
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        e, pk, pn, start, nk = _tile(t, offs_ptr, K, N, BLOCK_K, BLOCK_N, GROUP_K)
+        if j % CONSUMERS == C:
+            if CONSUMERS == 2:  # the other consumer's main loop of the tile before is past its last wait
+                if C == 0:
+                    mbarrier.wait(order.index(0), (n - 1) & 1, pred=n > 0)
+                else:
+                    mbarrier.wait(order.index(1), n & 1)
+            acc = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=mma)
+            for kb in range(nk):
+                s = (it + kb) % STAGES
+                mbarrier.wait(ready.index(s), ((it + kb) // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty.index((it + kb + STAGES - 1) % STAGES), pred=kb > 0)  # the previous block's
+            if CONSUMERS == 2:
+                mbarrier.arrive(order.index(1 - C))
+            n += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + nk + STAGES - 1) % STAGES), pred=nk > 0)
+
+            rk = pk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, mma))
+            rn = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            sa = gl.load(sa_ptr + e.to(gl.int64) * K + rk, mask=rk < K, other=0.0)
+            sb = gl.load(sb_ptr + e.to(gl.int64) * N + rn, mask=rn < N, other=0.0)
+            res = acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
+            res = gl.where(nk > 0, res, 0.0)  # an expert without tokens: zeros (its scales may be anything)
+            pieces = _split_n(res.to(c_desc.dtype), PIECES)
+            row = e * K + pk * BLOCK_K
+            for i in gl.static_range(PIECES):  # two buffers: a piece is written while the one before is stored
+                buf = c_smem.index(2 * C + i % 2)
+                tma.store_wait(1)  # the store that last read this buffer is done
+                buf.store(pieces[i])
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row, pn * BLOCK_N + i * c_desc.block_type.shape[1]],
+                                                buf)  # TMA clips the columns at N
+        it += nk
+        j += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
+            BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr,
+            WARPS: gl.constexpr, ROLE: gl.constexpr):
+    """The worker partitions (one signature for all): the loader (ROLE 0) or the second consumer (ROLE 1)."""
+    if ROLE == 0:
+        _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES)
+    else:
+        _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles, BLOCK_K,
+                 BLOCK_N, GROUP_K, STAGES, 2, 1, WARPS)
+
+
+@gluon.jit
+def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, offs_ptr, K, N, L, BLOCK_K: gl.constexpr,
+            BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+            WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    tiles = L * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2 * CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles, BLOCK_K,
+                        BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
+                       tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
+        ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles, BLOCK_K,
+                        BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
+                       tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 1)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
+                       tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
+        ], [num_warps, 1], [WORKER_REGS, 24])
+
+
+def descriptors(aT, bT, out_LKN, bk: int, bn: int):
+    """The TMA descriptors: aT (K, P) and bT (N, P) in (rows, 128-token) blocks, out as (L * K, N) in
+    (BLOCK_K, 128 bytes) pieces."""
+    f8 = gl.float8e4nv
+    da = TensorDescriptor.from_tensor(aT, [bk, T], gl.NVMMASharedLayout.get_default_for([bk, T], f8))
+    db = TensorDescriptor.from_tensor(bT, [bn, T], gl.NVMMASharedLayout.get_default_for([bn, T], f8))
+    dt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32, torch.float16: gl.float16}[out_LKN.dtype]
+    split = min(bn, 128 // out_LKN.element_size())
+    L, K, N = out_LKN.shape
+    dc = TensorDescriptor.from_tensor(out_LKN.view(L * K, N), [bk, split],
+                                      gl.NVMMASharedLayout.get_default_for([bk, split], dt))
+    return da, db, dc
+
+
+@torch.no_grad()
+def wgrad(out_LKN: torch.Tensor, aT: torch.Tensor, sa: torch.Tensor, bT: torch.Tensor, sb: torch.Tensor,
+          offs_L: torch.Tensor, config=None, programs=None) -> None:
+    """``out[l] = a_l^T b_l`` dequantized by ``sa`` (L, K) and ``sb`` (L, N), fast accumulation: the arguments of
+    ``triton_fp8_wgrad.wgrad_into`` (checked there) with ``per_expert=True, fast=True, first=True``."""
+    L, K, N = out_LKN.shape
+    bk, bn, warps, stages, *rest = config or config_for(aT.shape[1], L)
+    consumers = rest[0] if rest else 1
+    da, db, dc = descriptors(aT.contiguous(), bT.contiguous(), out_LKN, bk, bn)
+    tiles = L * triton.cdiv(K, bk) * triton.cdiv(N, bn)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(out_LKN.device).multi_processor_count
+    _kernel[(min(programs, tiles),)](da, sa.float().contiguous(), db, sb.float().contiguous(), dc,
+                                     offs_L.to(torch.int32).contiguous(), K, N, L, BLOCK_K=bk, BLOCK_N=bn, GROUP_K=8,
+                                     STAGES=stages, CONSUMERS=consumers, WORKER_REGS=WORKER_REGS, num_warps=warps,
+                                     maxnreg=MAXNREG)
