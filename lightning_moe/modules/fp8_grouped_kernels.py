@@ -53,6 +53,8 @@ TRITON_WGRAD = os.environ.get("LMOE_FP8_TRITON_WGRAD", "1") != "0"
 TRITON_GEMM = os.environ.get("LMOE_FP8_TRITON_GEMM", "1") != "0"
 # opt-in: the Gluon precise GEMM gained 1-2 % on Mixtral's model (docs/PERFORMANCE.md), on triton's experimental API
 GLUON_GEMM = os.environ.get("LMOE_FP8_GLUON_GEMM", "0") == "1"
+# the fast accumulation on the warp-specialized persistent Gluon kernel (``gluon_fp8_grouped_ws``: the same bits)
+GLUON_WS_GEMM = os.environ.get("LMOE_FP8_GLUON_WS_GEMM", "0") == "1"
 
 
 def available(device: torch.device) -> bool:
@@ -87,6 +89,9 @@ def _rows_gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
     gm = load("gluon_fp8_grouped_mm", a, GLUON_GEMM and not fast)
     if gm is not None and a.shape[1] >= gm.MIN_K:
         return gm.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs)
+    ws = load("gluon_fp8_grouped_ws", a, GLUON_WS_GEMM and fast)
+    if ws is not None and ws.fits(b.shape[2]):
+        return ws.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs)
     return tg.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs, fast)
 
 

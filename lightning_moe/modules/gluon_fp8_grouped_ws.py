@@ -1,0 +1,215 @@
+"""The experts' FP8 forward and dgrad GEMM with fast accumulation, warp-specialized and persistent in Gluon:
+
+    out[m] = sa[m] * sb[e][None, :] * (a[m] @ b[e]^T)     for the rows m of expert e (``offs``: their cumulative ends)
+
+with ``triton_fp8_grouped_mm.grouped_mm(..., fast=True)``'s arguments, tiles, schedule and bits (the same MMAs over K
+in the same order into one accumulator, the same epilogue). One program per SM loops over the tiles; a one-warp
+loader partition streams their K blocks through the shared-memory stages across tile boundaries, and the MMA warps
+(one consumer of two warpgroups on 128 x 256 tiles, or two of one warpgroup on 128 x 128 tiles taking turns) store
+each whole tile by TMA from shared memory, asynchronously. A tile cut by its expert's end (the last of an expert
+whose rows are not a multiple of 128) is stored with masked pointer stores instead, which never write past the
+expert's rows; rows past ``offs[-1]`` are left undefined.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from lightning_moe.modules.gluon_fp8_wgrad import MAXNREG, WORKER_REGS, _split_n
+from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
+
+BLOCK_K = 128
+# (BLOCK_M, BLOCK_N, warps, stages[, consumers])
+CONFIG = (128, 256, 8, 4)
+_BK = gl.constexpr(BLOCK_K)
+
+
+@gluon.jit
+def _tile(i, offs_ptr, N, L, TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr,
+          GROUP_M: gl.constexpr, WARPS: gl.constexpr):
+    """Tile ``i`` of TILES x cdiv(N, BLOCK_N) in ``triton_fp8_grouped_mm``'s order: (live, expert, first row, the
+    expert's end, N tile); GROUP_M row tiles share each N tile, expert e owns the row tiles [cum[e] - tiles[e],
+    cum[e]) (from the offsets, on the device), and a tile past the schedule is not live."""
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    width = GROUP_M * tiles_n
+    first = (i // width) * GROUP_M
+    size = gl.minimum(TILES - first, GROUP_M)
+    t = first + (i % width) % size
+    pn = (i % width) // size
+    ls = gl.arange(0, BLOCK_L, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    live = ls < L
+    ends = gl.load(offs_ptr + ls, mask=live, other=0)
+    starts = gl.load(offs_ptr + ls - 1, mask=live & (ls > 0), other=0)
+    tiles = gl.where(live, gl.cdiv(ends - starts, BLOCK_M), 0)
+    cum = gl.associative_scan(tiles, 0, _add)
+    e = gl.sum((cum <= t).to(gl.int32), 0)  # experts wholly before tile t (L or more: past the schedule)
+    mine = ls == e
+    end = gl.sum(gl.where(mine, ends, 0), 0)
+    row0 = gl.sum(gl.where(mine, starts, 0), 0) + (t - gl.sum(gl.where(mine, cum - tiles, 0), 0)) * BLOCK_M
+    return e < L, e, row0, end, pn
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, N, K, L, TILES, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the K blocks of this program's live tiles into the stages, as soon as a stage is free."""
+    nk = gl.cdiv(K, _BK)
+    it = 0
+    for i in range(gl.program_id(0), TILES * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
+        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, 1)
+        if live:
+            for kb in range(nk):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * _BK], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [e * N + pn * BLOCK_N, kb * _BK], ready.index(s),
+                                                b_bufs.index(s))
+                it += 1
+
+
+@gluon.jit
+def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K, L, TILES,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr):
+    """MMA warps, consumer C of CONSUMERS (every CONSUMERS-th live tile; main loops taking turns, as
+    ``gluon_fp8_wgrad._consume``), then the scaled tile out: whole tiles by TMA, a tile cut by its expert's end by
+    masked stores."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    PIECES: gl.constexpr = BLOCK_N // c_desc.block_type.shape[1]
+    nk = gl.cdiv(K, _BK)
+    it = 0
+    j = 0  # live tiles so far
+    n = 0  # this consumer's
+    for i in range(gl.program_id(0), TILES * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
+        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, WARPS)
+        if live:
+            if j % CONSUMERS == C:
+                if CONSUMERS == 2:
+                    if C == 0:
+                        mbarrier.wait(order.index(0), (n - 1) & 1, pred=n > 0)
+                    else:
+                        mbarrier.wait(order.index(1), n & 1)
+                acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+                for kb in range(nk):
+                    s = (it + kb) % STAGES
+                    mbarrier.wait(ready.index(s), ((it + kb) // STAGES) & 1)
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                    mbarrier.arrive(empty.index((it + kb + STAGES - 1) % STAGES), pred=kb > 0)
+                if CONSUMERS == 2:
+                    mbarrier.arrive(order.index(1 - C))
+                n += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(empty.index((it + nk + STAGES - 1) % STAGES), pred=nk > 0)
+
+                rm = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+                rn = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+                rows, cols = rm < end, rn < N
+                sa = gl.load(sa_ptr + rm, mask=rows, other=0.0)
+                sb = gl.load(sb_ptr + e.to(gl.int64) * N + rn, mask=cols, other=0.0)
+                res = (acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)).to(c_desc.dtype)
+                if row0 + BLOCK_M <= end:  # a whole tile of the expert's rows: TMA, which clips the columns at N
+                    pieces = _split_n(res, PIECES)
+                    for p in gl.static_range(PIECES):
+                        buf = c_smem.index(2 * C + p % 2)
+                        tma.store_wait(1)
+                        buf.store(pieces[p])
+                        fence_async_shared()
+                        tma.async_copy_shared_to_global(c_desc, [row0, pn * BLOCK_N + p * c_desc.block_type.shape[1]],
+                                                        buf)
+                else:  # the expert's last, cut tile: the rows past its end belong to the next expert
+                    ptrs = out_ptr + gl.expand_dims(rm.to(gl.int64), 1) * N + gl.expand_dims(rn, 0)
+                    gl.store(ptrs, res, mask=gl.expand_dims(rows, 1) & gl.expand_dims(cols, 0))
+            it += nk
+            j += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr,
+            N, K, L, TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr,
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ROLE: gl.constexpr):
+    """The worker partitions (one signature for all): the loader (ROLE 0) or the second consumer (ROLE 1)."""
+    if ROLE == 0:
+        _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L,
+              GROUP_M, STAGES)
+    else:
+        _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K, L,
+                 TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, 2, 1, WARPS)
+
+
+@gluon.jit
+def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, out_ptr, offs_ptr, N, K, L, TILES, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+            CONSUMERS: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2 * CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K,
+                        L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, CONSUMERS, 0, num_warps)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr,
+                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 0)),
+        ], [1], [32])
+    else:
+        gl.warp_specialize([
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K,
+                        L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, CONSUMERS, 0, num_warps)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr,
+                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 1)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr,
+                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 0)),
+        ], [num_warps, 1], [WORKER_REGS, 32])
+
+
+def fits(N: int) -> bool:
+    """Whether TMA stores the output's rows (16-byte aligned bf16 rows)."""
+    return N % 8 == 0
+
+
+@torch.no_grad()
+def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_LN: torch.Tensor,
+               offs_L: torch.Tensor, config=None, programs=None) -> torch.Tensor:
+    """``triton_fp8_grouped_mm.grouped_mm(..., fast=True)``'s product and bits (its arguments); ``config``:
+    (BLOCK_M, BLOCK_N, warps, stages[, consumers])."""
+    M, K, N, L = check_operands(a_MK, b_LNK, sa_M, sb_LN, offs_L)
+    out = torch.empty(M, N, device=a_MK.device, dtype=torch.bfloat16)
+    if M == 0 or N == 0 or L == 0:
+        return out
+    bm, bn, warps, stages, *rest = config or CONFIG
+    f8 = gl.float8e4nv
+    da = TensorDescriptor.from_tensor(a_MK.contiguous(), [bm, BLOCK_K],
+                                      gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], f8))
+    db = TensorDescriptor.from_tensor(b_LNK.contiguous().view(L * N, K), [bn, BLOCK_K],
+                                      gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], f8))
+    dc = TensorDescriptor.from_tensor(out, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16))
+    tiles = triton.cdiv(M, bm) + L  # a static bound of the experts' row tiles
+    if programs is None:
+        programs = torch.cuda.get_device_properties(a_MK.device).multi_processor_count
+    _kernel[(min(programs, tiles * triton.cdiv(N, bn)),)](
+        da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), dc, out, offs_L.to(torch.int32).contiguous(),
+        N, K, L, tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=max(32, triton.next_power_of_2(L)), GROUP_M=8,
+        STAGES=stages, CONSUMERS=rest[0] if rest else 1, WORKER_REGS=WORKER_REGS, num_warps=warps, maxnreg=MAXNREG)
+    return out
