@@ -13,16 +13,18 @@ onto those rows and columns):
 The wgrad GEMM reduces over each expert's tokens with 16-byte loads, so every expert's tokens start on a 16-row
 boundary (``expert_padding.py``: on the device, no host sync). Where the rowwise recipe's operands come from the Triton
 quantizers, the wgrad instead runs on ``triton_fp8_wgrad`` (the same operands and scales, each expert's tokens on a
-128-row boundary for its TMA blocks). Under GradSync's gradient-accumulation fusion (bf16 weights with fp32 main grads,
-no autocast) it writes or adds into the fp32 main grad, where the CUTLASS kernel writes a bf16 gradient that GradSync
-then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TRITON_WGRAD=0``: the CUTLASS kernel,
-for comparisons). With ``FP8Training(defer_expert_wgrad=True)`` the main grad's wgrad waits for the step's last
+128-row boundary for its TMA blocks; written with fast accumulation, on its warp-specialized Gluon kernel,
+``gluon_fp8_wgrad``, with the same bits). Under GradSync's gradient-accumulation fusion (bf16 weights with fp32 main
+grads, no autocast) it writes or adds into the fp32 main grad, where the CUTLASS kernel writes a bf16 gradient that
+GradSync then adds; otherwise it writes the gradient in the weight's dtype (``LMOE_FP8_TRITON_WGRAD=0``: the CUTLASS
+kernel, for comparisons). With ``FP8Training(defer_expert_wgrad=True)`` the main grad's wgrad waits for the step's last
 backward (``GradSync.defer_wgrad``), which runs it once over every micro-batch's held FP8 operands
 (``triton_fp8_wgrad.wgrad_segments_into``, the same bits): the fp32 main grad is written once per step instead of read,
 added and written at every micro-batch (once per N micro-batches with ``defer_expert_wgrad=N``). The forward and
 dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with CUTLASS's bits and faster, above all at
 fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``: CUTLASS's, for comparisons); the
-precise ones over K >= 4,096 on ``gluon_fp8_grouped_mm`` with ``LMOE_FP8_GLUON_GEMM=1`` (the same bits). There is
+precise ones over K >= 4,096 on ``gluon_fp8_grouped_mm`` with ``LMOE_FP8_GLUON_GEMM=1``, the fast ones on the
+warp-specialized persistent ``gluon_fp8_grouped_ws`` with ``LMOE_FP8_GLUON_WS_GEMM=1`` (the same bits). There is
 no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run
 emulated.
 

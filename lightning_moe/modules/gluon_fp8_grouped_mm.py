@@ -28,17 +28,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from lightning_moe.modules.gluon_fp8_grouped_ws import _tile
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
 
 BLOCK_K = 128  # the promotion interval, and the TMA block along K
 CONFIG = (128, 128, 8, 4)  # (BLOCK_M, BLOCK_N, warps, stages): two warpgroups of 64 rows each, 208 registers
 MIN_K = 4096  # the shortest K it is taken for (docs/PERFORMANCE.md)
 _BK = gl.constexpr(BLOCK_K)
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
 
 
 @gluon.jit
@@ -63,26 +59,11 @@ def _mma(bars, a_bufs, b_bufs, zero, kb, STAGES: gl.constexpr):
 def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, N, K, L, TILES, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
             num_warps: gl.constexpr):
-    # triton_fp8_grouped_mm's schedule: GROUP_M row tiles share each column tile; expert e owns the row tiles
-    # [cum[e] - tiles[e], cum[e]), computed from the offsets on the device
-    pid = gl.program_id(0)
-    width = GROUP_M * gl.cdiv(N, BLOCK_N)
-    first = (pid // width) * GROUP_M
-    size = gl.minimum(TILES - first, GROUP_M)
-    t = first + (pid % width) % size
-    pn = (pid % width) // size
-    ls = gl.arange(0, BLOCK_L, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    live = ls < L
-    ends = gl.load(offs_ptr + ls, mask=live, other=0)
-    starts = gl.load(offs_ptr + ls - 1, mask=live & (ls > 0), other=0)
-    tiles = gl.where(live, gl.cdiv(ends - starts, BLOCK_M), 0)
-    cum = gl.associative_scan(tiles, 0, _add)
-    e = gl.sum((cum <= t).to(gl.int32), 0)  # experts wholly before tile t (L or more: past the schedule)
-    if e >= L:
+    # triton_fp8_grouped_mm's schedule (from the offsets, on the device)
+    live, e, row0, end, pn = _tile(gl.program_id(0), offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M,
+                                   num_warps)
+    if not live:
         return
-    mine = ls == e
-    end = gl.sum(gl.where(mine, ends, 0), 0)
-    row0 = gl.sum(gl.where(mine, starts, 0), 0) + (t - gl.sum(gl.where(mine, cum - tiles, 0), 0)) * BLOCK_M
     col0 = e * N + pn * BLOCK_N
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)

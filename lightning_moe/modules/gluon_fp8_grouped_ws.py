@@ -17,11 +17,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lightning_moe.modules.gluon_fp8_wgrad import MAXNREG, WORKER_REGS, _split_n
+from lightning_moe.modules.gluon_fp8_wgrad import MAXNREG, WORKER_REGS, _buffers, _mainloop, _split_n
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
 
 BLOCK_K = 128
@@ -97,23 +96,9 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
         live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, WARPS)
         if live:
             if j % CONSUMERS == C:
-                if CONSUMERS == 2:
-                    if C == 0:
-                        mbarrier.wait(order.index(0), (n - 1) & 1, pred=n > 0)
-                    else:
-                        mbarrier.wait(order.index(1), n & 1)
-                acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
-                for kb in range(nk):
-                    s = (it + kb) % STAGES
-                    mbarrier.wait(ready.index(s), ((it + kb) // STAGES) & 1)
-                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    mbarrier.arrive(empty.index((it + kb + STAGES - 1) % STAGES), pred=kb > 0)
-                if CONSUMERS == 2:
-                    mbarrier.arrive(order.index(1 - C))
+                acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, C,
+                                mma)
                 n += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty.index((it + nk + STAGES - 1) % STAGES), pred=nk > 0)
 
                 rm = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
                 rn = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -155,17 +140,7 @@ def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc,
 def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, out_ptr, offs_ptr, N, K, L, TILES, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
             CONSUMERS: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2 * CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(order.index(i), count=1)
+    a_bufs, b_bufs, c_smem, ready, empty, order = _buffers(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K,

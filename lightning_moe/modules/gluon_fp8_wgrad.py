@@ -31,16 +31,18 @@ T = 128  # tokens per block (the wgrad layout's alignment)
 # (BLOCK_K, BLOCK_N, warps, stages[, consumers]): one consumer of two warpgroups on 128 x 256 tiles (64 accumulator rows
 # per warpgroup), or two consumers of one warpgroup each on 128 x 128 tiles taking turns (one's epilogue under the
 # other's MMAs). Measured on an H100 (docs/PERFORMANCE.md): the two consumers win where the experts have at most
-# NARROW_TOKENS tokens each (Qwen3's block, the models' micro-batches), the one consumer at Mixtral's block (2,048)
+# NARROW_TOKENS tokens each (Qwen3's block, the models' micro-batches) and wherever the output is fp32 (a main grad:
+# twice the epilogue's bytes), the one consumer writing bf16 at Mixtral's block (2,048)
 CONFIG, NARROW_CONFIG, NARROW_TOKENS = (128, 256, 8, 4), (128, 128, 4, 5, 2), 1024
 MAXNREG = 168  # 12 warps (8 + the loader's warpgroup) x 32 x 168 fits the register file; the MMA warps get 240
 WORKER_REGS = 232  # two consumers of 4 warps (``config``'s fifth entry): the second's registers (the first gets 248)
 _T = gl.constexpr(T)
 
 
-def config_for(tokens: int, experts: int) -> tuple:
-    """The default config for ``tokens`` padded tokens over ``experts`` (host numbers: no sync)."""
-    return NARROW_CONFIG if tokens <= (NARROW_TOKENS + T) * experts else CONFIG
+def config_for(tokens: int, experts: int, out_bytes: int = 2) -> tuple:
+    """The default config for ``tokens`` padded tokens over ``experts`` into ``out_bytes``-byte values (host numbers:
+    no sync)."""
+    return NARROW_CONFIG if out_bytes > 2 or tokens <= (NARROW_TOKENS + T) * experts else CONFIG
 
 
 def fits(K: int, N: int, out: torch.Tensor) -> bool:
@@ -97,6 +99,31 @@ def _split_n(x, PIECES: gl.constexpr):
 
 
 @gluon.jit
+def _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr, mma: gl.constexpr):
+    """Consumer C's ``n``-th tile: its ``nk`` blocks from ring position ``it``, one MMA in flight, each stage released
+    once its MMA is done; with two consumers, after the other's main loop of the tile before is past its last wait,
+    and telling the other once past its own. Returns the fp32 accumulator."""
+    if CONSUMERS == 2:
+        if C == 0:
+            mbarrier.wait(order.index(0), (n - 1) & 1, pred=n > 0)
+        else:
+            mbarrier.wait(order.index(1), n & 1)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+    for kb in range(nk):
+        s = (it + kb) % STAGES
+        mbarrier.wait(ready.index(s), ((it + kb) // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + kb + STAGES - 1) % STAGES), pred=kb > 0)  # the previous block's
+    if CONSUMERS == 2:
+        mbarrier.arrive(order.index(1 - C))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((it + nk + STAGES - 1) % STAGES), pred=nk > 0)
+    return acc
+
+
+@gluon.jit
 def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
              BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr,
              CONSUMERS: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr):
@@ -115,23 +142,8 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
     for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
         e, pk, pn, start, nk = _tile(t, offs_ptr, K, N, BLOCK_K, BLOCK_N, GROUP_K)
         if j % CONSUMERS == C:
-            if CONSUMERS == 2:  # the other consumer's main loop of the tile before is past its last wait
-                if C == 0:
-                    mbarrier.wait(order.index(0), (n - 1) & 1, pred=n > 0)
-                else:
-                    mbarrier.wait(order.index(1), n & 1)
-            acc = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=mma)
-            for kb in range(nk):
-                s = (it + kb) % STAGES
-                mbarrier.wait(ready.index(s), ((it + kb) // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                mbarrier.arrive(empty.index((it + kb + STAGES - 1) % STAGES), pred=kb > 0)  # the previous block's
-            if CONSUMERS == 2:
-                mbarrier.arrive(order.index(1 - C))
+            acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_K, BLOCK_N, STAGES, CONSUMERS, C, mma)
             n += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + nk + STAGES - 1) % STAGES), pred=nk > 0)
 
             rk = pk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, mma))
             rn = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -154,7 +166,8 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
 
 
 @gluon.jit
-def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
+def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
+            tiles,
             BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr,
             WARPS: gl.constexpr, ROLE: gl.constexpr):
     """The worker partitions (one signature for all): the loader (ROLE 0) or the second consumer (ROLE 1)."""
@@ -166,10 +179,9 @@ def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc,
 
 
 @gluon.jit
-def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, offs_ptr, K, N, L, BLOCK_K: gl.constexpr,
-            BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-            WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    tiles = L * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
+def _buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The warp-specialized kernels' shared memory: the operands' stages with their ready and empty barriers, each
+    consumer's two output buffers, and the consumers' turn barriers."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2 * CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
@@ -181,21 +193,30 @@ def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, offs_ptr, K, N, L, BLOCK_K: 
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
+    return a_bufs, b_bufs, c_smem, ready, empty, order
+
+
+@gluon.jit
+def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, offs_ptr, K, N, L, BLOCK_K: gl.constexpr,
+            BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+            WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    tiles = L * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
+    a_bufs, b_bufs, c_smem, ready, empty, order = _buffers(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles, BLOCK_K,
-                        BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
-            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
-                       tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
+                        BLOCK_K, BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr,
+                       K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
         ], [1], [24])
     else:
         gl.warp_specialize([
-            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles, BLOCK_K,
-                        BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
-            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
-                       tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 1)),
-            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
-                       tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
+                        BLOCK_K, BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr,
+                       K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 1)),
+            (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr,
+                       K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
         ], [num_warps, 1], [WORKER_REGS, 24])
 
 
@@ -219,7 +240,7 @@ def wgrad(out_LKN: torch.Tensor, aT: torch.Tensor, sa: torch.Tensor, bT: torch.T
     """``out[l] = a_l^T b_l`` dequantized by ``sa`` (L, K) and ``sb`` (L, N), fast accumulation: the arguments of
     ``triton_fp8_wgrad.wgrad_into`` (checked there) with ``per_expert=True, fast=True, first=True``."""
     L, K, N = out_LKN.shape
-    bk, bn, warps, stages, *rest = config or config_for(aT.shape[1], L)
+    bk, bn, warps, stages, *rest = config or config_for(aT.shape[1], L, out_LKN.element_size())
     consumers = rest[0] if rest else 1
     da, db, dc = descriptors(aT.contiguous(), bT.contiguous(), out_LKN, bk, bn)
     tiles = L * triton.cdiv(K, bk) * triton.cdiv(N, bn)

@@ -218,3 +218,49 @@ def test_gluon_wgrad_fits_and_keeps_one_mma_in_flight(tmp_path, which, out):
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True).stderr
     assert " 0 bytes spill stores" in res, res
+
+
+@nvidia
+@pytest.mark.parametrize("config", [(128, 256, 8, 4), (128, 128, 4, 5, 2)])
+def test_gluon_ws_gemm_fits_without_spills(tmp_path, config):
+    """``gluon_fp8_grouped_ws``, one and two consumers, with 128 experts' offsets read per tile (its widest schedule
+    vector): within Hopper's shared memory and no spills in any partition (sm_90a, triton's ptxas)."""
+    import subprocess
+    gm = pytest.importorskip("lightning_moe.modules.gluon_fp8_grouped_ws")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("this triton ships no ptxas")
+    bm, bn, warps, stages, *rest = config
+    la = gl.NVMMASharedLayout.get_default_for([bm, gm.BLOCK_K], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, gm.BLOCK_K], gl.float8e4nv)
+    lc = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {gm.BLOCK_K}],{la!r}>", "sa_ptr": "*fp32",
+           "b_desc": f"tensordesc<fp8e4nv[{bn}, {gm.BLOCK_K}],{lb!r}>", "sb_ptr": "*fp32",
+           "c_desc": f"tensordesc<bf16[{bm}, 64],{lc!r}>", "out_ptr": "*bf16", "offs_ptr": "*i32", "N": "i32",
+           "K": "i32", "L": "i32", "TILES": "i32"}
+    const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_L": 128, "GROUP_M": 8, "STAGES": stages,
+             "CONSUMERS": rest[0] if rest else 1, "WORKER_REGS": gm.WORKER_REGS, "num_warps": warps}
+    sig.update({k: "constexpr" for k in const})
+    names = gm._kernel.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "out_ptr", "offs_ptr", "N",
+                                                                    "K")}
+    compiled = triton.compile(GluonASTSource(gm._kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "maxnreg": gm.MAXNREG})
+    assert compiled.metadata.shared <= 232448
+    (tmp_path / "k.ptx").write_text(compiled.asm["ptx"])
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    assert " 0 bytes spill stores" in res, res
+
+
+def test_gluon_wgrad_config_choice():
+    """Two consumers at up to 1,024 tokens per expert (plus a block of padding each) or into fp32; one consumer of
+    128 x 256 tiles writing bf16 at more."""
+    gw = pytest.importorskip("lightning_moe.modules.gluon_fp8_wgrad")
+    assert gw.config_for(128 * 1024, 128) == gw.NARROW_CONFIG  # Qwen3's block
+    assert gw.config_for(8 * (1024 + 128), 8) == gw.NARROW_CONFIG
+    assert gw.config_for(8 * 2048, 8) == gw.CONFIG  # Mixtral's block, bf16
+    assert gw.config_for(8 * 2048, 8, out_bytes=4) == gw.NARROW_CONFIG  # ... into an fp32 main grad
