@@ -17,10 +17,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lightning_moe.modules.gluon_fp8_wgrad import MAXNREG, WORKER_REGS, _buffers, _mainloop, _split_n
+from lightning_moe.modules.gluon_fp8_wgrad import MAXNREG, WORKER_REGS, _buffers, _mainloop, _store_tile
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
 
 BLOCK_K = 128
@@ -87,7 +87,6 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
     masked stores."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
-    PIECES: gl.constexpr = BLOCK_N // c_desc.block_type.shape[1]
     nk = gl.cdiv(K, _BK)
     it = 0
     j = 0  # live tiles so far
@@ -107,14 +106,7 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
                 sb = gl.load(sb_ptr + e.to(gl.int64) * N + rn, mask=cols, other=0.0)
                 res = (acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)).to(c_desc.dtype)
                 if row0 + BLOCK_M <= end:  # a whole tile of the expert's rows: TMA, which clips the columns at N
-                    pieces = _split_n(res, PIECES)
-                    for p in gl.static_range(PIECES):
-                        buf = c_smem.index(2 * C + p % 2)
-                        tma.store_wait(1)
-                        buf.store(pieces[p])
-                        fence_async_shared()
-                        tma.async_copy_shared_to_global(c_desc, [row0, pn * BLOCK_N + p * c_desc.block_type.shape[1]],
-                                                        buf)
+                    _store_tile(res, c_smem, c_desc, row0, pn * BLOCK_N, C)
                 else:  # the expert's last, cut tile: the rows past its end belong to the next expert
                     ptrs = out_ptr + gl.expand_dims(rm.to(gl.int64), 1) * N + gl.expand_dims(rn, 0)
                     gl.store(ptrs, res, mask=gl.expand_dims(rows, 1) & gl.expand_dims(cols, 0))

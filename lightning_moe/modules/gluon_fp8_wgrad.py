@@ -99,6 +99,20 @@ def _split_n(x, PIECES: gl.constexpr):
 
 
 @gluon.jit
+def _store_tile(res, c_smem, c_desc, row, col, C: gl.constexpr):
+    """``res`` to ``c_desc`` at (row, col) by TMA, in pieces of the descriptor's width through consumer C's two
+    shared-memory buffers (a piece is written while the one before is stored; TMA clips the columns at the end)."""
+    PIECES: gl.constexpr = res.shape[1] // c_desc.block_type.shape[1]
+    pieces = _split_n(res, PIECES)
+    for i in gl.static_range(PIECES):
+        buf = c_smem.index(2 * C + i % 2)
+        tma.store_wait(1)  # the store that last read this buffer is done
+        buf.store(pieces[i])
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [row, col + i * c_desc.block_type.shape[1]], buf)
+
+
+@gluon.jit
 def _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr, mma: gl.constexpr):
     """Consumer C's ``n``-th tile: its ``nk`` blocks from ring position ``it``, one MMA in flight, each stage released
@@ -135,7 +149,6 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
     wait cannot tell phases two apart."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
-    PIECES: gl.constexpr = BLOCK_N // c_desc.block_type.shape[1]
     it = 0  # the program's blocks before this tile (the stage ring's position)
     j = 0
     n = 0  # this consumer's tiles so far
@@ -151,15 +164,7 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
             sb = gl.load(sb_ptr + e.to(gl.int64) * N + rn, mask=rn < N, other=0.0)
             res = acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
             res = gl.where(nk > 0, res, 0.0)  # an expert without tokens: zeros (its scales may be anything)
-            pieces = _split_n(res.to(c_desc.dtype), PIECES)
-            row = e * K + pk * BLOCK_K
-            for i in gl.static_range(PIECES):  # two buffers: a piece is written while the one before is stored
-                buf = c_smem.index(2 * C + i % 2)
-                tma.store_wait(1)  # the store that last read this buffer is done
-                buf.store(pieces[i])
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row, pn * BLOCK_N + i * c_desc.block_type.shape[1]],
-                                                buf)  # TMA clips the columns at N
+            _store_tile(res.to(c_desc.dtype), c_smem, c_desc, e * K + pk * BLOCK_K, pn * BLOCK_N, C)
         it += nk
         j += 1
     tma.store_wait(0)
