@@ -8,7 +8,9 @@ For each named shape this times, in one process:
   (c) ``loop`` (``--with-loop``, qwen3 shape only): the same block as a Python loop over experts;
   (d) ``--precision fp8-<recipe>[,...]``: (a) and (b) again with the experts' grouped GEMMs in FP8 (``FP8Training``'s
       ``fp8_grouped_mm``; ``fp8-<recipe>-hybrid`` keeps E5M2 gradients), with their speed-up over bf16 from this run.
-      FLOPs are counted as in bf16, as Megatron counts them.
+      FLOPs are counted as in bf16, as Megatron counts them. The FP8 layer fuses its SwiGLU with the quantization
+      where ``FP8Training`` does (``fp8_swiglu.attach``); the bare FP8 block is timed with torch's SwiGLU, the Triton
+      one, and (``bare_fp8_swiglu``) the fused one, each against bf16's with the same SwiGLU kernel family.
 Throughput counts the expert GEMMs only: ``18 * rows * h * f`` FLOPs (fwd 6·rows·h·f, x3 for fwd+bwd), rows = T*k,
 so ``ratio = bare_ms / layer_ms`` is the layer's throughput as a fraction of the kernel limit.
 
@@ -46,7 +48,9 @@ from torch import nn
 from lightning_moe.modules.config import ModelConfig
 from lightning_moe.modules.experts import swiglu
 from lightning_moe.modules.fp8 import RECIPES
+from lightning_moe.modules import fp8_swiglu as fp8_swiglu_mod
 from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+from lightning_moe.modules.fp8_swiglu import fp8_swiglu
 from lightning_moe.modules.fp8_linear import FP8Spec
 from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.strategy.parallel_context import ParallelContext
@@ -192,8 +196,11 @@ def padded_rows(counts: list[int], h: int, device, dtype) -> tuple:
 
 
 def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2, fused_swiglu: bool = False):
-    """The bare block with FP8 GEMMs; ``fused_swiglu``: the layer's Triton SwiGLU, else torch's (as ``bare_block``)."""
+    """The bare block with FP8 GEMMs; ``fused_swiglu``: the layer's Triton SwiGLU, else torch's (as ``bare_block``);
+    fused with the quantization (``fp8_swiglu``) where the specs hold a handoff."""
     h_M2F = fp8_grouped_mm(x_MD, w13_EDF2, offs_E, spec1)
+    if spec1.handoff is not None:
+        return fp8_grouped_mm(fp8_swiglu(h_M2F, None, spec1.handoff[0]), w2_EFD, offs_E, spec2)
     if fused_swiglu:
         return fp8_grouped_mm(swiglu(h_M2F, fused=True), w2_EFD, offs_E, spec2)
     gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
@@ -324,10 +331,13 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         layer.experts.fc1._mm = lambda x, w, offs, s=spec1: fp8_grouped_mm(x, w, offs, s)
         layer.experts.fc2._mm = lambda x, w, offs, s=spec2: fp8_grouped_mm(x, w, offs, s)
         layer.dispatcher.cfg = dataclasses.replace(cfg, expert_rows_align=spec1.rows_align)
+        fused_act = fp8_swiglu_mod.attach(layer.experts, spec1, spec2, device) is not None  # FP8Training's default
         t = time_fn(layer_step, device, args.iters, args.warmup, layer_tensors, args.timer)
         t.update(peak_memory(layer_step, device, layer_tensors))
         t["tflops"] = tflops(flops, t["median_ms"])
+        t["swiglu_fused_with_quantization"] = fused_act
         fp8_layers[precision] = t
+        fp8_swiglu_mod.detach(layer.experts, spec1, spec2)
         del layer.experts.fc1._mm, layer.experts.fc2._mm
         layer.dispatcher.cfg = cfg
 
@@ -385,6 +395,14 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
             t["tflops"] = tflops(flops, t["median_ms"])
             rec["fp8"][precision].update(bare_fused_swiglu=t, bare_fused_swiglu_speedup=rec["bare_fused_swiglu"][
                 "median_ms"] / t["median_ms"])
+            if fp8_layers[precision]["swiglu_fused_with_quantization"]:  # and the FP8 side's fused with its quantization
+                hand = fp8_swiglu_mod.Handoff()
+                spec1.handoff, spec2.handoff = (hand, "fc1"), (hand, "fc2")
+                t = time_fn(fp8_step, device, args.iters, args.warmup, bare_tensors, args.timer)
+                t["tflops"] = tflops(flops, t["median_ms"])
+                spec1.handoff = spec2.handoff = None
+                rec["fp8"][precision].update(bare_fp8_swiglu=t, bare_fp8_swiglu_speedup=rec["bare_fused_swiglu"][
+                    "median_ms"] / t["median_ms"])
 
     # ---- (c) optional per-expert loop at the qwen3 shape
     if args.with_loop and name == "qwen3":

@@ -13,6 +13,11 @@ the blockwise recipe's forward and dgrad on DeepGEMM where it is installed (``mo
 runs the blockwise dense GEMMs), and emulated otherwise (quantized, dequantized, multiplied in fp32). The log says
 which path each GEMM took.
 
+Where both of an MoE layer's expert GEMMs quantize on the Triton kernels (the rowwise recipe in E4M3 on an H100, no
+ETP, an FFN width that is a multiple of 128), the experts' SwiGLU is fused with their quantization
+(``modules/fp8_swiglu.py``): its forward writes a's FP8 copy for fc2 and its backward dh's for fc1, each in the pass
+that makes them (``LMOE_FP8_FUSED_SWIGLU=0`` turns it off, for comparisons).
+
 ``fp8_dispatch=True`` also sends the tokens of the ``alltoall`` dispatcher's dispatch all-to-all in E4M3, one fp32
 scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the bytes of bf16 on the wire.
 ``fp8_param_gather=True`` sends the FP8 GEMMs' weights through the distributed optimizer's all-gather in E4M3
@@ -28,7 +33,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_moe.callbacks.gemm_swap import Gemm, gemms, swap, unswap
-from lightning_moe.modules import fp8_deepgemm, wgrad_fusion
+from lightning_moe.modules import fp8_deepgemm, fp8_swiglu, wgrad_fusion
 from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
 from lightning_moe.modules.dispatchers import AllToAllDispatcher
 from lightning_moe.modules.fp8 import FAST_ACCUM, RECIPES
@@ -139,6 +144,7 @@ class FP8Training(L.Callback):
         self._cached: list = []  # the GEMMs' specs, whose weight caches follow trainer.global_step
         self._deferring: list = []  # the experts' specs with a deferred wgrad (and its arenas)
         self._dispatchers: list = []
+        self._fused: list = []  # (experts, fc1's spec, fc2's spec) with the FP8-fused SwiGLU
 
     def on_fit_start(self, trainer, pl_module) -> None:
         device = trainer.strategy.root_device
@@ -167,8 +173,9 @@ class FP8Training(L.Callback):
         # quantization stays inside the graphs, replayed with the current weights at every micro-batch
         graphs = bool(getattr(trainer.strategy, "cuda_graphs", False))
         cache = self.cache_weights and not graphs
+        specs = {}
         for g in targets:
-            spec = self._spec(g, ctx)
+            spec = specs[g.name] = self._spec(g, ctx)
             spec.defer_wgrad = self.defer_expert_wgrad and g.grouped
             spec.defer_window = self.defer_window if spec.defer_wgrad else None
             if spec.defer_wgrad:
@@ -182,6 +189,7 @@ class FP8Training(L.Callback):
                 gathered.append(fp8_gather.FP8Weight(
                     g.weight, fp8_gather.weight_blocks(tuple(g.weight.shape), self.recipe, g.grouped),
                     spec.group if self.recipe == "tensorwise" and spec.split else None))
+        fused_act = self._fuse_swiglu(pl_module, specs, device)
         n_gathered = 0
         if sharded is not None:
             shared = _shared_params(pl_module)  # a weight also used elsewhere (tied) keeps its bf16 values
@@ -210,6 +218,7 @@ class FP8Training(L.Callback):
                        f"{len(grouped)} expert grouped GEMMs ({kernel}, {len(grouped) - on_kernel - on_dg} emulated)"
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
                        + f"; fast accumulation: {self.fast_accum}"
+                       + (f"; SwiGLU fused with the quantization in {fused_act} MoE layers" if fused_act else "")
                        + ("; weight gradients unquantized (fp8_wgrad=False)" if not self.fp8_wgrad else "")
                        + ("; the experts' wgrad once per optimizer step (defer_expert_wgrad)"
                           if self.defer_expert_wgrad and self.defer_window is None else "")
@@ -225,6 +234,17 @@ class FP8Training(L.Callback):
             rank_zero_warn("FP8Training(fp8_param_gather=True): no FP8 weight is all-gathered in this layout (each "
                            "data-parallel group of the weights has one rank, or the distributed optimizer does not "
                            "gather them): the option has nothing to do here")
+
+    def _fuse_swiglu(self, pl_module, specs: dict, device: torch.device) -> int:
+        """The experts' SwiGLU fused with the FP8 quantization of both its GEMMs where they allow it
+        (``fp8_swiglu.attach``): how many experts modules."""
+        for name in specs:
+            prefix = name[:-len(".fc1")]
+            if name.endswith(".fc1") and prefix + ".fc2" in specs:
+                experts = pl_module.get_submodule(prefix)
+                if fp8_swiglu.attach(experts, specs[name], specs[prefix + ".fc2"], device) is not None:
+                    self._fused.append((experts, specs[name], specs[prefix + ".fc2"]))
+        return len(self._fused)
 
     def _check_defer(self, trainer, grouped: list, device: torch.device) -> None:
         """ValueError, on every rank, unless every trainable FP8 expert GEMM takes the deferrable wgrad: the Triton FP8
@@ -324,6 +344,9 @@ class FP8Training(L.Callback):
         if self._amaxes is not None:
             self._amaxes.clear()
         unswap(self._swapped)
+        for experts, spec1, spec2 in self._fused:
+            fp8_swiglu.detach(experts, spec1, spec2)
+        self._fused.clear()
         for d in self._dispatchers:
             d.__dict__.pop("fp8_dispatch", None)
         self._dispatchers = []

@@ -131,13 +131,17 @@ class _NoCtx:
 
 class SwiGLUActivation(nn.Module):
     """``silu(gate) * up`` of ``[gate | up]`` as a module (``experts.act``), each row weighted by ``p_M`` when
-    given: what ``Recompute(["moe_act"])`` recomputes instead of keeping."""
+    given: what ``Recompute(["moe_act"])`` recomputes instead of keeping. ``_act`` is where ``FP8Training`` swaps in
+    the SwiGLU fused with the FP8 GEMMs' quantization (``fp8_swiglu.py``)."""
 
     def __init__(self, fused: bool = True):
         super().__init__()
         self.fused = fused
 
     def forward(self, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._act(h_M2F, p_M)
+
+    def _act(self, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor]) -> torch.Tensor:
         return swiglu(h_M2F, p_M, self.fused)
 
 

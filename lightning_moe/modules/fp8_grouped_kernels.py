@@ -174,6 +174,14 @@ def _by_expert_t_fused(tq, x_MX, offs, gid_M, poffs_L, gid_P, P: int, spec: FP8S
     return tq.quant_t_padded(x_MX, scale_LX, offs, poffs_L, gid_P, P, fmt, out=out, align=align), scale_LX
 
 
+def _handoff(spec: FP8Spec, tq) -> tuple:
+    """``spec.handoff`` (``fp8_swiglu``) where its quantization is this GEMM's: the Triton quantizers', no amax
+    reduced over an ETP group; else (None, None)."""
+    if tq is None or spec.handoff is None or spec.group is not None:
+        return None, None
+    return spec.handoff
+
+
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_LKN, offs_L, spec: FP8Spec, sync, wgrad: bool):
@@ -194,7 +202,15 @@ class _ScaledGroupedMM(torch.autograd.Function):
         ctx.spec = spec
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
-        xq, xs_inv, ctx.x_amax = _rows_and_amax(tq, x_MK, offs, gid_M, spec, "input", "x", row, fwd, wgrad)
+        hand, side = _handoff(spec, tq)
+        if side == "fc1":  # for the fused SwiGLU's column amaxes
+            hand.rows = (M, offs, gid_M)
+        pre = hand.take("forward", x_MK) if side == "fc2" else None  # a, quantized by the fused SwiGLU
+        if pre is not None:
+            xq, xs_inv, x_amax = pre
+            ctx.x_amax = x_amax if wgrad else None
+        else:
+            xq, xs_inv, ctx.x_amax = _rows_and_amax(tq, x_MK, offs, gid_M, spec, "input", "x", row, fwd, wgrad)
         def quantize_w():
             ws = scale_of(weights_amax(w_LKN, "K", tiling(spec.recipe, "weight"), spec, "w", col or row, row), fwd)
             dtype, fmax = FORMATS[fwd]
@@ -228,7 +244,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
         # dgrad: dy along N per row; W along N per (expert, row k); W^T column-major is W row-major
         tq = _quant_kernels(spec, dy_MN)
         fp8_wgrad = ctx.needs_input_grad[1] and spec.fp8_wgrad
-        dyq, dys_inv, dy_amax = _rows_and_amax(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd, fp8_wgrad)
+        hand, side = _handoff(spec, tq)
+        pre = hand.take("backward", dy_MN) if side == "fc1" else None  # dh, quantized by the fused SwiGLU
+        if pre is not None:
+            dyq, dys_inv, dy_amax = pre
+        else:
+            dyq, dys_inv, dy_amax = _rows_and_amax(tq, dy_MN, offs, gid_M, spec, "grad", "dy", col, bwd, fp8_wgrad)
         wq, ws_inv = ctx.w_t or spec.cached_weight("w_t", w_LKN, lambda: _with_inverse(*_cast(
             w_LKN, weights_amax(w_LKN, "N", t_w, spec, "w_t", col or row, col), fwd)))
         ctx.w_t = None

@@ -64,6 +64,9 @@ class FP8Spec:
     # ... and the (K, C) and (N, C) E4M3 buffers its micro-batches' held operands go into, side by side (kept from step
     # to step: ``fp8_grouped_kernels._held_slots``)
     wgrad_arena: Optional[tuple] = None
+    # the experts' GEMMs around an FP8-fused SwiGLU (``fp8_swiglu.Handoff``, "fc1" or "fc2"): fc1 records its rows'
+    # experts and takes dh's quantization in backward, fc2 takes a's in forward
+    handoff: Optional[tuple] = None
 
     def weight_amax(self, w: torch.Tensor) -> Optional[torch.Tensor]:
         """The amaxes of ``w``'s scale blocks (as an (R, C) grid) that the FP8 parameter all-gather quantized its

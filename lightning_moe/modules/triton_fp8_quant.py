@@ -28,6 +28,7 @@ import triton.language as tl
 
 from lightning_moe.modules.fp8 import _TINY, FORMATS, scale_of
 from lightning_moe.modules.kernels import interpreting
+from lightning_moe.modules.triton_swiglu import swiglu_grad_math, swiglu_math
 
 
 @triton.jit
@@ -144,13 +145,20 @@ def _col_amax_kernel(x_ptr, offs_ptr, gid_ptr, amax_ptr, M, X, CHUNK: tl.constex
 @triton.jit
 def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M, K, L, CHUNK, FMAX: tl.constexpr,
                              TINY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NKB: tl.constexpr,
-                             STAGES: tl.constexpr, KEEP: tl.constexpr, INV: tl.constexpr = False):
+                             STAGES: tl.constexpr, KEEP: tl.constexpr, INV: tl.constexpr = False,
+                             SOURCE: tl.constexpr = 0, h_ptr=None, g_ptr=None, p_ptr=None, gp_ptr=None,
+                             HAS_P: tl.constexpr = False, ACC_BF16: tl.constexpr = False):
     """``_rowwise_kernel``'s rows and ``_col_amax_kernel``'s amaxes from one read: a chunk of CHUNK rows, walked in
     blocks of BLOCK_M whole rows (NKB blocks of BLOCK_K columns), each expert's part of the chunk in turn, then its
     tail rows (past offs[-1]: quantized, in no amax). The column maxes are NKB running tiles in registers (a tuple:
     Triton cannot index one tensor by a loop's block), reduced over their rows and merged with one atomic max per
     column per expert part. The row block's tiles stay in registers between its amax and its quantization (KEEP,
-    always for NKB = 1), else the second read comes from L2 (wide rows). The maxes run in fp32 (exact)."""
+    always for NKB = 1), else the second read comes from L2 (wide rows). The maxes run in fp32 (exact).
+
+    ``SOURCE`` 1 and 2 make x instead of reading it, and write it to ``x_ptr``: the SwiGLU of ``h`` (weighted by
+    ``p`` with HAS_P; x is (M, F)), or SwiGLU's input gradient from ``g`` and ``h`` (x is (M, 2F), the row weights'
+    gradient into ``gp``), with ``triton_swiglu``'s math and roundings. Their F is a multiple of BLOCK_K.
+    ``ACC_BF16`` (bf16 x only) keeps the column maxes in bf16, exact for bf16 values, in half the registers."""
     r0 = tl.program_id(0) * CHUNK
     r1 = tl.minimum(r0 + CHUNK, M)
     rr = tl.arange(0, BLOCK_M)
@@ -165,26 +173,33 @@ def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M
         lo, hi = tl.maximum(start, r0), tl.minimum(end, r1)
         accs = ()
         for kb in tl.static_range(NKB):
-            accs = accs + (tl.zeros((BLOCK_M, BLOCK_K), tl.float32),)
+            if ACC_BF16:
+                accs = accs + (tl.zeros((BLOCK_M, BLOCK_K), tl.bfloat16),)
+            else:
+                accs = accs + (tl.zeros((BLOCK_M, BLOCK_K), tl.float32),)
         for r in tl.range(lo, hi, BLOCK_M, num_stages=STAGES):  # STAGES > 1: later blocks' loads in flight
             rows = r + rr
             rmask = rows < hi
             base = rows.to(tl.int64)[:, None] * K
             amax = tl.zeros((BLOCK_M,), tl.float32)
             new, xs = (), ()
-            for kb in tl.static_range(NKB):
-                mask = rmask[:, None] & (kb * BLOCK_K + cols < K)[None, :]
-                x = tl.load(x_ptr + base + kb * BLOCK_K + cols[None, :], mask=mask, other=0.0)
-                ax = tl.abs(x.to(tl.float32))  # fp32 maxes: Triton 3.6 reduces bf16 maxes through fp32
-                amax = _max_nan(amax, tl.reduce(ax, 1, _max_nan))
-                new = new + (_max_nan(accs[kb], ax),)
-                if KEEP or NKB == 1:
-                    xs = xs + (x,)
+            if SOURCE == 0:
+                for kb in tl.static_range(NKB):
+                    mask = rmask[:, None] & (kb * BLOCK_K + cols < K)[None, :]
+                    x = tl.load(x_ptr + base + kb * BLOCK_K + cols[None, :], mask=mask, other=0.0)
+                    ax = tl.abs(x.to(tl.float32))  # fp32 maxes: Triton 3.6 reduces bf16 maxes through fp32
+                    amax = _max_nan(amax, tl.reduce(ax, 1, _max_nan))
+                    new = new + (_max_nan(accs[kb], ax),)
+                    if KEEP or NKB == 1:
+                        xs = xs + (x,)
+            else:
+                amax, new, xs = _swiglu_tiles(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, rows, rmask, base, cols, K, accs,
+                                              SOURCE, HAS_P, BLOCK_M, BLOCK_K, NKB, KEEP, ACC_BF16)
             accs = new
             scale = _scale(amax, FMAX, TINY, BLOCK_M)
             for kb in tl.static_range(NKB):
                 mask = rmask[:, None] & (kb * BLOCK_K + cols < K)[None, :]
-                if KEEP or NKB == 1:
+                if KEEP or (NKB == 1 and SOURCE == 0):
                     x = xs[kb]
                 else:
                     x = tl.load(x_ptr + base + kb * BLOCK_K + cols[None, :], mask=mask, other=0.0)
@@ -194,11 +209,67 @@ def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M
         if (lo < hi) & (e <= g1):
             for kb in tl.static_range(NKB):
                 kc = kb * BLOCK_K + cols
-                cmax = tl.reduce(accs[kb], 0, _max_nan)
+                cmax = tl.reduce(accs[kb].to(tl.float32), 0, _max_nan)
                 # |x| >= 0 or NaN is ordered as its int32 bits (the one atomic of tl.atomic_max's fp32 pair that
                 # acts); a NaN as fp32's canonical one, grouped_col_amax's on a GPU (bf16's, widened, is not)
                 cmax_bits = tl.where(cmax != cmax, 0x7FFFFFFF, cmax.to(tl.int32, bitcast=True))
                 tl.atomic_max(amax_ptr + e * K + kc, cmax_bits, mask=kc < K, sem="relaxed")
+
+
+@triton.jit
+def _swiglu_tiles(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, rows, rmask, base, cols, K, accs, SOURCE: tl.constexpr,
+                  HAS_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NKB: tl.constexpr,
+                  KEEP: tl.constexpr, ACC_BF16: tl.constexpr):
+    """``_rowwise_col_amax_kernel``'s row block made (SOURCE 1: SwiGLU; 2: its input gradient): ``(row amax, column
+    max tiles, the tiles kept)``. Each F block of h (and g) is read once; the backward's gate and up halves are tiles b
+    and NKB / 2 + b. x is written here (measured faster than with the quantization's stores), and without KEEP the
+    quantization reads it back, after a barrier."""
+    NF: tl.constexpr = NKB if SOURCE == 1 else NKB // 2
+    F = K if SOURCE == 1 else K // 2
+    r64 = rows.to(tl.int64)[:, None]
+    p = 1.0
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    dot = tl.zeros((BLOCK_M,), tl.float32)
+    new, xs, new_up, xs_up = (), (), (), ()
+    for fb in tl.static_range(NF):
+        fc = fb * BLOCK_K + cols
+        mask = rmask[:, None] & (fc < F)[None, :]
+        gate = tl.load(h_ptr + r64 * 2 * F + fc[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + r64 * 2 * F + F + fc[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SOURCE == 1:
+            x = swiglu_math(gate, up, p, HAS_P).to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + base + fc[None, :], x, mask=mask)
+            ax = tl.abs(x.to(tl.float32))
+            amax = _max_nan(amax, tl.reduce(ax, 1, _max_nan))
+            new = new + (_max_nan(accs[fb], tl.abs(x)).to(tl.bfloat16) if ACC_BF16 else _max_nan(accs[fb], ax),)
+            if KEEP:
+                xs = xs + (x,)
+        else:
+            g = tl.load(g_ptr + r64 * F + fc[None, :], mask=mask, other=0.0).to(tl.float32)
+            d_gate, d_up, terms = swiglu_grad_math(g, gate, up, p, HAS_P)
+            if HAS_P:
+                dot += tl.sum(terms, 1)
+            dg, du = d_gate.to(x_ptr.dtype.element_ty), d_up.to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + base + fc[None, :], dg, mask=mask)
+            tl.store(x_ptr + base + F + fc[None, :], du, mask=mask)
+            ag, au = tl.abs(dg.to(tl.float32)), tl.abs(du.to(tl.float32))
+            amax = _max_nan(amax, _max_nan(tl.reduce(ag, 1, _max_nan), tl.reduce(au, 1, _max_nan)))
+            if ACC_BF16:
+                new = new + (_max_nan(accs[fb], tl.abs(dg)).to(tl.bfloat16),)
+                new_up = new_up + (_max_nan(accs[NF + fb], tl.abs(du)).to(tl.bfloat16),)
+            else:
+                new, new_up = new + (_max_nan(accs[fb], ag),), new_up + (_max_nan(accs[NF + fb], au),)
+            if KEEP:
+                xs, xs_up = xs + (dg,), xs_up + (du,)
+    if SOURCE == 2:
+        new, xs = new + new_up, xs + xs_up
+        if HAS_P:
+            tl.store(gp_ptr + rows, dot, mask=rmask)
+    if not KEEP:
+        tl.debug_barrier()  # the quantization reads back what other threads of the block wrote
+    return amax, new, xs
 
 
 @triton.jit

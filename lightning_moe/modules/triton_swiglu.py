@@ -19,16 +19,38 @@ import triton.language as tl
 
 
 @triton.jit
+def swiglu_math(gate, up, p, HAS_P: tl.constexpr):
+    """The forward's fp32 value (``gate``, ``up`` fp32; ``p`` the row weight, read only with HAS_P): shared with the
+    FP8 quantizer that fuses it (``triton_fp8_quant``), so that both give the same bits."""
+    a = gate * tl.sigmoid(gate) * up
+    if HAS_P:
+        a = a * p
+    return a
+
+
+@triton.jit
+def swiglu_grad_math(g, gate, up, p, HAS_P: tl.constexpr):
+    """``(d_gate, d_up, g * silu(gate) * up)`` in fp32 (the last: the row weight's gradient terms), shared as
+    ``swiglu_math``."""
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    gp = g
+    if HAS_P:
+        gp = g * p
+    return gp * up * sig * (1.0 + gate * (1.0 - sig)), gp * silu, g * silu * up
+
+
+@triton.jit
 def _fwd_kernel(h_ptr, p_ptr, out_ptr, F, HAS_P: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     gate = tl.load(h_ptr + r * 2 * F + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + r * 2 * F + F + offs, mask=mask, other=0.0).to(tl.float32)
-    a = gate * tl.sigmoid(gate) * up
+    p = 1.0
     if HAS_P:
-        a = a * tl.load(p_ptr + r).to(tl.float32)
-    tl.store(out_ptr + r * F + offs, a.to(out_ptr.dtype.element_ty), mask=mask)
+        p = tl.load(p_ptr + r).to(tl.float32)
+    tl.store(out_ptr + r * F + offs, swiglu_math(gate, up, p, HAS_P).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -44,14 +66,11 @@ def _bwd_kernel(g_ptr, h_ptr, p_ptr, gh_ptr, gp_ptr, F, HAS_P: tl.constexpr, BLO
         g = tl.load(g_ptr + r * F + offs, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(h_ptr + r * 2 * F + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + r * 2 * F + F + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
+        d_gate, d_up, terms = swiglu_grad_math(g, gate, up, p, HAS_P)
         if HAS_P:
-            dot += g * silu * up
-        gp = g * p
-        d_gate = gp * up * sig * (1.0 + gate * (1.0 - sig))
+            dot += terms
         tl.store(gh_ptr + r * 2 * F + offs, d_gate.to(gh_ptr.dtype.element_ty), mask=mask)
-        tl.store(gh_ptr + r * 2 * F + F + offs, (gp * silu).to(gh_ptr.dtype.element_ty), mask=mask)
+        tl.store(gh_ptr + r * 2 * F + F + offs, d_up.to(gh_ptr.dtype.element_ty), mask=mask)
     if HAS_P:
         tl.store(gp_ptr + r, tl.sum(dot, axis=0))
 

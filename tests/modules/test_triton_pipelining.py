@@ -264,3 +264,57 @@ def test_gluon_wgrad_config_choice():
     assert gw.config_for(8 * (1024 + 128), 8) == gw.NARROW_CONFIG
     assert gw.config_for(8 * 2048, 8) == gw.CONFIG  # Mixtral's block, bf16
     assert gw.config_for(8 * 2048, 8, out_bytes=4) == gw.NARROW_CONFIG  # ... into an fp32 main grad
+
+
+@nvidia
+@pytest.mark.parametrize("F,M", [(14336, 16384), (768, 131072), (1024, 131072), (2048, 16384)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_fused_swiglu_quant_configs_fit(tmp_path, F, M, backward):
+    """``triton_fp8_swiglu``'s configs (Mixtral's, Qwen3's, OLMoE's, DeepSeek-V3's FFN widths), weighted, assembled for
+    sm_90a by triton's ptxas: within the register cap where one is set, at most 64 bytes of spills (48 at Mixtral's
+    backward as swept), and one barrier-synchronized quantization pass per row block."""
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules import triton_fp8_swiglu as tsw
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("this triton ships no ptxas")
+    CHUNK, BM, BK, warps, stages, keep, acc_bf16, maxnreg = tsw.config(M, F, backward)
+    K = 2 * F if backward else F
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "offs_ptr": "*i32", "gid_ptr": "*i32",
+           "amax_ptr": "*i32", "M": "i32", "K": "i32", "L": "i32", "CHUNK": "i32", "h_ptr": "*bf16", "g_ptr": "*bf16",
+           "p_ptr": "*fp32", "gp_ptr": "*fp32"}
+    const = dict(FMAX=448.0, TINY=1e-12, BLOCK_M=BM, BLOCK_K=BK, NKB=K // BK, STAGES=stages, KEEP=keep, INV=True,
+                 SOURCE=2 if backward else 1, HAS_P=True, ACC_BF16=acc_bf16)
+    sig.update({c: "constexpr" for c in const})
+    names = tq._rowwise_col_amax_kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("x_ptr", "q_ptr", "h_ptr", "g_ptr", "K")}
+    compiled = triton.compile(ASTSource(tq._rowwise_col_amax_kernel, sig, const, attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True,
+                                       "maxnreg": maxnreg})
+    (tmp_path / "k.ptx").write_text(compiled.asm["ptx"])
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    spills = int(res.split(" bytes spill stores")[0].rsplit(",", 1)[1])
+    regs = int(res.split("Used ")[1].split(" registers")[0])
+    assert spills <= 64, res
+    assert regs <= (maxnreg or 255), res
+
+
+def test_fused_swiglu_quant_config_choice():
+    """Rows kept in registers, two rows per block up to 2,048 values per row, the column maxes in bf16, one warpgroup
+    up to 3,072 values per block, two (capped at 128 registers) up to 16,384, and rows wider than 32,768 values read
+    back (the sweep's choices, docs/PERFORMANCE.md)."""
+    tsw = pytest.importorskip("lightning_moe.modules.triton_fp8_swiglu")
+    assert tsw.config(131072, 768, False) == (256, 2, 256, 4, 3, True, True, None)  # Qwen3
+    assert tsw.config(131072, 768, True) == (256, 2, 256, 4, 3, True, True, None)
+    assert tsw.config(131072, 1024, True) == (256, 2, 1024, 8, 3, True, True, 128)  # OLMoE
+    assert tsw.config(16384, 14336, False) == (32, 1, 2048, 8, 3, True, True, 128)  # Mixtral
+    assert tsw.config(16384, 14336, True) == (32, 1, 2048, 8, 3, True, True, None)
+    assert tsw.config(16384, 16384 + 4096, True)[4:6] == (1, False)  # read back
+    assert not tsw.fuses(700) and tsw.fuses(768)

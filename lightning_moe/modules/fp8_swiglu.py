@@ -1,0 +1,124 @@
+"""The experts' SwiGLU fused with the FP8 quantization of what it makes, for the FP8 GEMMs on either side
+(``FP8Training`` swaps it into ``experts.act`` where both of the experts' GEMMs quantize on the Triton kernels):
+
+  fc1 forward    records the rows' experts                                         -> Handoff.rows
+  act forward    a = SwiGLU(h), and a's rowwise FP8 copy, scales, column amaxes    -> Handoff.forward
+  fc2 forward    takes them for its input, instead of a pass over a
+  fc2 backward   da
+  act backward   dh, and dh's rowwise FP8 copy, scales, column amaxes              -> Handoff.backward
+  fc1 backward   takes them for its output gradient, instead of a pass over dh
+
+Each fused kernel reads SwiGLU's inputs once (``triton_fp8_swiglu``): a and dh are no longer read back by a separate
+quantization pass. The bits are the unfused path's. A GEMM takes a handoff only for the very tensor it was made for
+(same storage, shape, strides and version); anything else (another caller, an in-place change) quantizes as before.
+One ``Handoff`` per experts module holds at most one of each, dropped when taken or replaced.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Optional
+
+import torch
+
+from lightning_moe.modules import kernels
+
+ENABLED = os.environ.get("LMOE_FP8_FUSED_SWIGLU", "1") != "0"  # 0: the unfused passes, for comparisons
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t._version
+
+
+class Handoff:
+    """What the experts' SwiGLU and their two FP8 GEMMs pass each other (above). No parallel state: one per experts
+    module, referenced by its activation and, as ``(handoff, "fc1" | "fc2")``, by its GEMMs' ``FP8Spec.handoff``."""
+
+    def __init__(self):
+        self.rows: Optional[tuple] = None  # (M, offs_L int32, gid_M int32) of fc1's last forward
+        self.forward: Optional[tuple] = None  # (key of a, (q, dequantization scales, column amaxes))
+        self.backward: Optional[tuple] = None  # (key of dh, ...)
+
+    def put(self, which: str, t: torch.Tensor, quantized: tuple) -> None:
+        setattr(self, which, (_key(t), quantized))
+
+    def take(self, which: str, t: torch.Tensor) -> Optional[tuple]:
+        """The quantization made with ``t``, if ``t`` is what it was made for; dropped either way."""
+        held = getattr(self, which)
+        setattr(self, which, None)
+        return held[1] if held is not None and held[0] == _key(t) else None
+
+    def take_rows(self, M: int) -> Optional[tuple]:
+        rows, self.rows = self.rows, None
+        return rows[1:] if rows is not None and rows[0] == M else None
+
+
+class _FP8SwiGLU(torch.autograd.Function):
+    """``experts._SwiGLU`` (the same values and gradients: ``triton_swiglu``'s bits), quantizing its output in forward
+    and its input gradient in backward for the neighbouring FP8 GEMMs. Keeps h, p and the rows' experts."""
+
+    @staticmethod
+    def forward(ctx, h_M2F, p_M, offs_L, gid_M, hand: Handoff, fmt: str):
+        from lightning_moe.modules import triton_fp8_swiglu as tsw
+        a_MF, q, inv, amax = tsw.swiglu_quant(h_M2F, p_M, offs_L, gid_M, fmt)
+        hand.put("forward", a_MF, (q, inv, amax))
+        ctx.save_for_backward(h_M2F, p_M, offs_L, gid_M)
+        ctx.hand, ctx.fmt = hand, fmt
+        return a_MF
+
+    @staticmethod
+    def backward(ctx, g_MF):
+        from lightning_moe.modules import triton_fp8_swiglu as tsw
+        h_M2F, p_M, offs_L, gid_M = ctx.saved_tensors
+        ctx.hand.forward = None  # fc2 has run: a forward handoff left now was a rebuild's (Recompute), never taken
+        dh, gp, q, inv, amax = tsw.swiglu_backward_quant(g_MF.contiguous(), h_M2F, p_M, offs_L, gid_M, ctx.fmt)
+        ctx.hand.put("backward", dh, (q, inv, amax))
+        return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None
+
+
+def fp8_swiglu(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], hand: Handoff, fused: bool = True,
+               fmt: str = "e4m3") -> torch.Tensor:
+    """``experts.swiglu(h, p, fused)``, fused with the quantization for the FP8 GEMMs around it where it can be: the
+    Triton kernels run for h, F is a multiple of 128, and fc1's forward just recorded these rows' experts. A rebuild
+    in backward (``Recompute(["moe_act"])``: no grad, inside backward) has no fc2 to take its quantization: plain."""
+    from lightning_moe.modules.experts import swiglu
+    rows = hand.take_rows(h_M2F.shape[0]) if h_M2F.ndim == 2 else None
+    tsw = kernels.load("triton_fp8_swiglu", h_M2F, fused) if rows is not None else None
+    rebuild = not torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+    if tsw is None or rebuild or not tsw.fuses(h_M2F.shape[1] // 2):
+        return swiglu(h_M2F, p_M, fused)
+    offs_L, gid_M = rows
+    if not torch.is_grad_enabled() or not (h_M2F.requires_grad or (p_M is not None and p_M.requires_grad)):
+        a_MF, q, inv, amax = tsw.swiglu_quant(h_M2F, p_M, offs_L, gid_M, fmt)
+        hand.put("forward", a_MF, (q, inv, amax))
+        return a_MF
+    return _FP8SwiGLU.apply(h_M2F, p_M, offs_L, gid_M, hand, fmt)
+
+
+def attach(experts, spec_fc1, spec_fc2, device: torch.device) -> Optional[Handoff]:
+    """Fuse ``experts``' SwiGLU (a ``GroupedExperts``) with its FP8 GEMMs' quantization where both of them quantize
+    on the Triton kernels with nothing reduced over ranks (the rowwise recipe in E4M3, no ETP, on the kernel) and
+    its FFN width fuses: swaps ``experts.act._act`` and sets both specs' ``handoff``. Returns the handoff, or None
+    (nothing changed). ``detach`` undoes it."""
+    from lightning_moe.modules import fp8_grouped_kernels as gk
+    from lightning_moe.modules.experts import SwiGLUActivation
+    if not ENABLED or device.type != "cuda" or not isinstance(getattr(experts, "act", None), SwiGLUActivation):
+        return None
+    for spec, w in ((spec_fc1, experts.w13), (spec_fc2, experts.w2)):
+        if spec.emulate or spec.group is not None or spec.formats() != ("e4m3", "e4m3") or \
+                not gk.eligible(spec.recipe, w.shape[1], w.shape[2], device):
+            return None
+    probe = torch.empty(0, device=device)
+    tsw = kernels.load("triton_fp8_swiglu", probe, experts.act.fused)
+    if tsw is None or gk._quant_kernels(spec_fc1, probe) is None or not tsw.fuses(experts.w2.shape[1]):
+        return None
+    hand = Handoff()
+    spec_fc1.handoff, spec_fc2.handoff = (hand, "fc1"), (hand, "fc2")
+    experts.act._act = partial(fp8_swiglu, hand=hand, fused=experts.act.fused)
+    return hand
+
+
+def detach(experts, spec_fc1, spec_fc2) -> None:
+    experts.act.__dict__.pop("_act", None)
+    spec_fc1.handoff = spec_fc2.handoff = None

@@ -1,0 +1,45 @@
+"""The handoff between the experts' SwiGLU and their FP8 GEMMs (``fp8_swiglu``) on CPU: a GEMM takes a quantization
+only for the very tensor it was made for, once; without the fused kernels (no CUDA, no triton) the SwiGLU is the plain
+one and nothing is swapped. The kernels and the autograd function are tested under the Triton interpreter
+(``test_triton_fp8_swiglu.py``) and on the GPU (``tests/test_gpu_fp8_swiglu.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_moe.modules.experts import GroupedExperts, swiglu
+from lightning_moe.modules.fp8_linear import FP8Spec
+from lightning_moe.modules.fp8_swiglu import Handoff, attach, fp8_swiglu
+
+
+def test_a_handoff_is_taken_only_for_its_tensor_and_once():
+    hand = Handoff()
+    a = torch.randn(4, 8)
+    hand.put("forward", a, ("q",))
+    assert hand.take("forward", a.clone()) is None  # another tensor: dropped
+    assert hand.take("forward", a) is None
+    hand.put("forward", a, ("q",))
+    assert hand.take("forward", a.view(4, 8)) == ("q",)  # the same storage, shape and strides: a view of it is it
+    assert hand.take("forward", a) is None  # taken once
+    hand.put("backward", a, ("q",))
+    a.add_(1)  # changed in place after it was quantized
+    assert hand.take("backward", a) is None
+    hand.put("backward", a, ("q",))
+    assert hand.take("backward", a[:2]) is None  # another shape
+    hand.rows = (4, "offs", "gid")
+    assert hand.take_rows(5) is None and hand.rows is None  # other rows: dropped
+    hand.rows = (4, "offs", "gid")
+    assert hand.take_rows(4) == ("offs", "gid") and hand.rows is None
+
+
+def test_without_the_kernels_it_is_the_plain_swiglu_and_nothing_is_attached():
+    torch.manual_seed(0)
+    h, p = torch.randn(6, 16, requires_grad=True), torch.rand(6, requires_grad=True)
+    hand = Handoff()
+    hand.rows = (6, torch.tensor([2, 6]), torch.tensor([0, 0, 1, 1, 1, 1]))
+    a = fp8_swiglu(h, p, hand)
+    assert torch.equal(a, swiglu(h, p)) and hand.forward is None
+    experts = GroupedExperts(2, 32, 256)
+    s1, s2 = FP8Spec("rowwise"), FP8Spec("rowwise")
+    assert attach(experts, s1, s2, torch.device("cpu")) is None
+    assert "_act" not in experts.act.__dict__ and s1.handoff is None and s2.handoff is None
