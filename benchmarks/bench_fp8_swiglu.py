@@ -28,7 +28,8 @@ def candidates(tsw, M: int, F: int, backward: bool) -> list:
     c = tsw.config(M, F, backward)
     CHUNK, BM, BK, w, st, keep, acc, cap = c
     out = [c, (CHUNK, BM, BK, w, st, keep, False, cap), (CHUNK, BM, BK, w, st, keep, acc, None),
-           (CHUNK, BM, BK, w, st, keep, acc, 128 if w <= 8 else 64), (CHUNK, BM, BK, max(4, w // 2), st, keep, acc, None),
+           (CHUNK, BM, BK, w, st, keep, acc, 128 if w <= 8 else 64),
+           (CHUNK, BM, BK, max(4, w // 2), st, keep, acc, None),
            (CHUNK, BM, BK, w * 2, st, keep, acc, None), (CHUNK, BM, BK, w * 2, st, keep, acc, 64),
            (max(CHUNK, 2 * BM), 2 * BM, BK, w, st, keep, acc, cap), (CHUNK * 2, BM, BK, w, st, keep, acc, cap),
            (max(BM, CHUNK // 2), BM, BK, w, st, keep, acc, cap), (CHUNK, BM, BK, 16, 1, False, acc, None)]
@@ -81,7 +82,8 @@ def main(argv=None) -> dict:
 
             ref = unfused()
             t = time_fn(unfused, device, args.iters, 3)["median_ms"]
-            rec = {"shape": name, "M": M, "F": F, "pass": "backward" if backward else "forward", "weighted": pr is not None,
+            rec = {"shape": name, "M": M, "F": F, "pass": "backward" if backward else "forward",
+                   "weighted": pr is not None,
                    "unfused_ms": t, "unfused_gb_s": nbytes / t / 1e6, "fused": []}
             for cfg in candidates(tsw, M, F, backward):
                 try:

@@ -395,7 +395,8 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
             t["tflops"] = tflops(flops, t["median_ms"])
             rec["fp8"][precision].update(bare_fused_swiglu=t, bare_fused_swiglu_speedup=rec["bare_fused_swiglu"][
                 "median_ms"] / t["median_ms"])
-            if fp8_layers[precision]["swiglu_fused_with_quantization"]:  # and the FP8 side's fused with its quantization
+            # and the FP8 side's SwiGLU fused with its quantization
+            if fp8_layers[precision]["swiglu_fused_with_quantization"]:
                 hand = fp8_swiglu_mod.Handoff()
                 spec1.handoff, spec2.handoff = (hand, "fc1"), (hand, "fc2")
                 t = time_fn(fp8_step, device, args.iters, args.warmup, bare_tensors, args.timer)

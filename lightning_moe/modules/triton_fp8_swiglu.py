@@ -29,15 +29,17 @@ def fuses(F: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def config(M: int, F: int, backward: bool) -> tuple:
-    """(CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep, acc_bf16, maxnreg): column blocks that divide F (the largest
-    power of two, at most 4096), so that each lies in the gate or the up half; rows of F (forward) or 2F (backward)
-    values kept in registers from their amax to their quantization (up to 32,768 values per block, else read back), in
-    blocks of two rows up to 2,048 values per row, else one; the column maxes in bf16 (``acc_bf16``, for bf16 rows: half the registers); one warpgroup up to 3,072
-    values per block, else two, capped at 128 registers (two blocks per SM) up to 16,384; chunks as
-    ``triton_fp8_quant.fused_config``'s. From a sweep on one H100 at Mixtral's, Qwen3's and OLMoE's shapes
-    (``benchmarks/bench_fp8_swiglu.py``; docs/PERFORMANCE.md). ``stages``: the row-block loop's pipelining (rows read
-    back, not kept, must take one: its pipelined loads must not run ahead of the stores they read); ``maxnreg``: a
-    register cap per thread (None: triton's)."""
+    """(CHUNK, BLOCK_M, BLOCK_K, warps, stages, keep, acc_bf16, maxnreg), from a sweep on one H100 at Mixtral's,
+    Qwen3's and OLMoE's shapes (``benchmarks/bench_fp8_swiglu.py``; docs/PERFORMANCE.md):
+
+    - column blocks that divide F (the largest power of two, at most 4096): each lies in the gate or the up half;
+    - rows of F (forward) or 2F (backward) values kept in registers from their amax to their quantization, up to
+      32,768 values per block (wider: read back, one stage, so that no pipelined load runs ahead of the stores it
+      reads); two rows per block up to 2,048 values per row, else one;
+    - the column maxes in bf16 (``acc_bf16``, for bf16 rows: half the registers);
+    - one warpgroup up to 3,072 values per block, else two, capped at 128 registers (``maxnreg``; two blocks per SM)
+      up to 16,384;
+    - chunks as ``triton_fp8_quant.fused_config``'s."""
     BLOCK_K = min(F & -F, 4096)
     row = 2 * F if backward else F
     BLOCK_M = 2 if row <= 2048 else 1
