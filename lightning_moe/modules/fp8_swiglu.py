@@ -37,17 +37,18 @@ class Handoff:
 
     def __init__(self):
         self.rows: Optional[tuple] = None  # (M, offs_L int32, gid_M int32) of fc1's last forward
-        self.forward: Optional[tuple] = None  # (key of a, (q, dequantization scales, column amaxes))
-        self.backward: Optional[tuple] = None  # (key of dh, ...)
+        self.forward: Optional[tuple] = None  # (a, its key, (q, dequantization scales, column amaxes))
+        self.backward: Optional[tuple] = None  # (dh, its key, ...)
 
     def put(self, which: str, t: torch.Tensor, quantized: tuple) -> None:
-        setattr(self, which, (_key(t), quantized))
+        # t itself is held too: while the handoff lives, no other tensor can take its memory and match its key
+        setattr(self, which, (t, _key(t), quantized))
 
     def take(self, which: str, t: torch.Tensor) -> Optional[tuple]:
         """The quantization made with ``t``, if ``t`` is what it was made for; dropped either way."""
         held = getattr(self, which)
         setattr(self, which, None)
-        return held[1] if held is not None and held[0] == _key(t) else None
+        return held[2] if held is not None and held[1] == _key(t) else None
 
     def take_rows(self, M: int) -> Optional[tuple]:
         rows, self.rows = self.rows, None

@@ -108,8 +108,10 @@ def test_fused_swiglu_hands_its_quantization_over(weighted):
         else:
             a = swiglu(hh, pp)
         a.backward(dy)
-        if fused:
-            q, inv, amax = hand.take("backward", hh.grad)
+        if fused:  # h.grad is a copy of what the handoff holds (AccumulateGrad clones a gradient held elsewhere)
+            dh = hand.backward[0]
+            _same_bits(dh, hh.grad)
+            q, inv, amax = hand.take("backward", dh)
             for got, want in zip((q, inv, amax), tq.rowwise_quant_col_amax(hh.grad, offs, gid, inverse=True)):
                 _same_bits(got, want)
         outs.append((a.detach(), hh.grad, pp.grad if weighted else None))
