@@ -119,11 +119,13 @@ def _fit(tmp_path, callbacks):
             fused.append(sum("_act" in m.__dict__ for n, m in pl_module.named_modules() if n.endswith("experts.act")))
 
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=MoEFoldStrategy(), precision="bf16-true", max_steps=3,
-                        accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, limit_val_batches=0,
+                        accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, limit_val_batches=2,
+                        val_check_interval=4, num_sanity_val_steps=0,  # evaluation runs under inference_mode
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Rec(), *callbacks])
     model = MoELanguageModel(preset="tiny", overrides=OVR, seed=3, lr=3e-3, warmup_steps=1)
     trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=256, batch_size=2))
+    assert "val_loss" in trainer.callback_metrics
     return torch.stack(losses).cpu(), {k: v.detach().float().cpu() for k, v in model.state_dict().items()}, fused
 
 

@@ -203,8 +203,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         fwd, _ = spec.formats()
         col, row = spec.split == "out", spec.split == "in"
         hand, side = _handoff(spec, tq)
-        if side == "fc1":  # for the fused SwiGLU's column amaxes
-            hand.rows = (M, offs, gid_M)
+        if side == "fc1":  # for the fused SwiGLU's column amaxes; a dh handoff left from before is stale
+            hand.rows, hand.backward = (M, offs, gid_M), None
         pre = hand.take("forward", x_MK) if side == "fc2" else None  # a, quantized by the fused SwiGLU
         if pre is not None:
             xq, xs_inv, x_amax = pre

@@ -9,9 +9,11 @@
   fc1 backward   takes them for its output gradient, instead of a pass over dh
 
 Each fused kernel reads SwiGLU's inputs once (``triton_fp8_swiglu``): a and dh are no longer read back by a separate
-quantization pass. The bits are the unfused path's. A GEMM takes a handoff only for the very tensor it was made for
-(same storage, shape, strides and version); anything else (another caller, an in-place change) quantizes as before.
-One ``Handoff`` per experts module holds at most one of each, dropped when taken or replaced.
+quantization pass. a, dh, their FP8 copies, scales and amaxes are the unfused path's bits; the row weights' gradient
+(the router's, through ``probs_in_experts``) sums the same terms in another order, so it may differ in its last bits.
+A GEMM takes a handoff only for the very tensor it was made for (same storage, shape, strides and version; inference
+tensors have no version); anything else (another caller, an in-place change) quantizes as before. One ``Handoff`` per
+experts module holds at most one of each, dropped when taken or replaced.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ ENABLED = os.environ.get("LMOE_FP8_FUSED_SWIGLU", "1") != "0"  # 0: the unfused 
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t._version
+    # an inference tensor (Lightning's evaluation loops run under inference_mode) tracks no version
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, None if t.is_inference() else t._version
 
 
 class Handoff:
@@ -56,8 +59,9 @@ class Handoff:
 
 
 class _FP8SwiGLU(torch.autograd.Function):
-    """``experts._SwiGLU`` (the same values and gradients: ``triton_swiglu``'s bits), quantizing its output in forward
-    and its input gradient in backward for the neighbouring FP8 GEMMs. Keeps h, p and the rows' experts."""
+    """``experts._SwiGLU`` (``triton_swiglu``'s bits, but for the row weights' gradient, summed in another order),
+    quantizing its output in forward and its input gradient in backward for the neighbouring FP8 GEMMs. Keeps h, p and
+    the rows' experts."""
 
     @staticmethod
     def forward(ctx, h_M2F, p_M, offs_L, gid_M, hand: Handoff, fmt: str):
@@ -72,7 +76,10 @@ class _FP8SwiGLU(torch.autograd.Function):
     def backward(ctx, g_MF):
         from lightning_moe.modules import triton_fp8_swiglu as tsw
         h_M2F, p_M, offs_L, gid_M = ctx.saved_tensors
-        ctx.hand.forward = None  # fc2 has run: a forward handoff left now was a rebuild's (Recompute), never taken
+        ctx.hand.forward = None  # fc2 has run: a forward handoff left now was never taken (another caller of act)
+        if not ctx.needs_input_grad[0]:  # no dh wanted (fc1 runs no backward to take it): the row weights' only
+            from lightning_moe.modules import triton_swiglu
+            return None, triton_swiglu.backward(g_MF, h_M2F, p_M)[1], None, None, None, None
         dh, gp, q, inv, amax = tsw.swiglu_backward_quant(g_MF.contiguous(), h_M2F, p_M, offs_L, gid_M, ctx.fmt)
         ctx.hand.put("backward", dh, (q, inv, amax))
         return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None

@@ -26,6 +26,10 @@ def test_a_handoff_is_taken_only_for_its_tensor_and_once():
     assert hand.take("backward", a) is None
     hand.put("backward", a, ("q",))
     assert hand.take("backward", a[:2]) is None  # another shape
+    with torch.inference_mode():  # Lightning's evaluation loops: inference tensors track no version
+        b = torch.randn(4, 8)
+        hand.put("forward", b, ("q",))
+        assert hand.take("forward", b) == ("q",)
     hand.rows = (4, "offs", "gid")
     assert hand.take_rows(5) is None and hand.rows is None  # other rows: dropped
     hand.rows = (4, "offs", "gid")

@@ -18,7 +18,7 @@ from tests.modules.test_triton_fp8_quant_col_amax import _same_amax, _same_bits 
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=15)
+    run_interpreted(__file__, timeout=600, passed=17)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -148,3 +148,30 @@ def test_a_rebuild_in_backward_hands_nothing_over():
     with torch.no_grad():  # evaluation, outside backward: fc2 follows, so it is handed over
         a = fp8_swiglu(h, None, hand)
     assert hand.take("forward", a) is not None
+
+
+@inside
+def test_evaluation_under_inference_mode_hands_over():
+    """Lightning evaluates under ``torch.inference_mode()``: its tensors have no version to key the handoff with."""
+    from lightning_moe.modules.fp8_swiglu import Handoff, fp8_swiglu
+    h, _, p, offs, gid = _inputs([5, 9], 0, 256, True, seed=13)
+    hand = Handoff()
+    with torch.inference_mode():
+        hand.rows = (h.shape[0], offs, gid)
+        a = fp8_swiglu(h, p, hand)
+        assert hand.take("forward", a) is not None
+
+
+@inside
+def test_without_an_input_gradient_nothing_is_handed_back():
+    """Frozen h (only the row weights train): the row weights' gradient, and no dh handoff that no fc1 would take."""
+    from lightning_moe.modules.experts import swiglu
+    from lightning_moe.modules.fp8_swiglu import Handoff, fp8_swiglu
+    h, dy, p, offs, gid = _inputs([5, 9], 0, 256, True, seed=14)
+    hand = Handoff()
+    hand.rows = (h.shape[0], offs, gid)
+    pp, rp = p.clone().requires_grad_(), p.clone().requires_grad_()
+    fp8_swiglu(h, pp, hand).backward(dy)
+    swiglu(h, rp).backward(dy)
+    assert hand.backward is None
+    _same_bits(pp.grad, rp.grad)  # the plain kernel's, here
