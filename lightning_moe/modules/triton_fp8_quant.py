@@ -158,7 +158,8 @@ def _rowwise_col_amax_kernel(x_ptr, q_ptr, s_ptr, offs_ptr, gid_ptr, amax_ptr, M
     ``SOURCE`` 1 and 2 make x instead of reading it, and write it to ``x_ptr``: the SwiGLU of ``h`` (weighted by
     ``p`` with HAS_P; x is (M, F)), or SwiGLU's input gradient from ``g`` and ``h`` (x is (M, 2F), the row weights'
     gradient into ``gp``), with ``triton_swiglu``'s math and roundings. Their F is a multiple of BLOCK_K.
-    ``ACC_BF16`` (bf16 x only) keeps the column maxes in bf16, exact for bf16 values, in half the registers."""
+    ``ACC_BF16`` (SOURCE 1 and 2, bf16 x only) keeps the column maxes in bf16 instead, exact for bf16 values too, in
+    half the registers."""
     r0 = tl.program_id(0) * CHUNK
     r1 = tl.minimum(r0 + CHUNK, M)
     rr = tl.arange(0, BLOCK_M)
