@@ -14,7 +14,7 @@ from bench_fp8_grouped_mm import gemm_operands, routings
 from bench_fp8_wgrad import SHAPES, parse_args, timed
 from common import emit, env_info, log
 
-CONFIGS = [(128, 256, 8, 4), (128, 256, 8, 3), (128, 128, 4, 5, 2), (128, 128, 4, 4, 2)]
+CONFIGS = [(128, 256, 8, 4), (128, 256, 8, 4, 1, 1), (128, 128, 4, 4, 2), (128, 128, 4, 4, 2, 1)]
 
 
 def main() -> None:

@@ -210,7 +210,8 @@ def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2, fused_swiglu: bool =
 def fp8_specs(precision: str) -> tuple:
     """``fp8-<recipe>[-hybrid][-bf16wgrad][-fastall][-cached][-aligned]``: one spec per GEMM (delayed scaling keeps a
     history per GEMM); E4M3 gradients unless ``-hybrid``, so that every GEMM can run on the scaled grouped kernel;
-    ``-bf16wgrad``: the wgrads from the unquantized operands (``FP8Training(fp8_wgrad=False)``); fast
+    ``-bf16wgrad``: the wgrads from the unquantized operands (``FP8Training(fp8_wgrad=False)``; ``-bf16wgradfc2``:
+    fc2's alone); fast
     accumulation in the forward GEMMs only (``FP8Training``'s default) unless ``-fastall`` (dgrad and wgrad too). The
     weights are quantized in every iteration unless ``-cached``: once, as a model does once per optimizer step for all
     its micro-batches (``FP8Training(cache_weights=True)``). ``-aligned``: each expert's rows start on a multiple of
@@ -220,7 +221,8 @@ def fp8_specs(precision: str) -> tuple:
     fast = "all" if "fastall" in parts else "fprop"
     align = ALIGN if "aligned" in parts else 1
     specs = tuple(FP8Spec(recipe, fp8_format=fmt, fast_accum=fast, rows_align=align,
-                          fp8_wgrad="bf16wgrad" not in parts) for _ in range(2))
+                          fp8_wgrad="bf16wgrad" not in parts and (i == 0 or "bf16wgradfc2" not in parts))
+                  for i in range(2))
     for spec in specs:
         spec.step = 0 if "cached" in parts else None
     return specs
@@ -450,6 +452,7 @@ def main(argv=None) -> dict:
     p.add_argument("--precision", default="bf16",
                    help="bf16, plus comma-separated fp8-<recipe>[-hybrid][-bf16wgrad][-fastall][-cached][-aligned] "
                    "(recipes: " + ", ".join(RECIPES) + "; -bf16wgrad: FP8Training(fp8_wgrad=False), not blockwise; "
+                   "-bf16wgradfc2: fc2's wgrad alone unquantized; "
                    "-fastall: fast accumulation in dgrad and wgrad too; -cached: the "
                    "weights quantized once, not in every iteration; -aligned, blockwise only: each expert's rows "
                    "start on a multiple of 128, ModelConfig.expert_rows_align=128)")
@@ -464,7 +467,7 @@ def main(argv=None) -> dict:
         p.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     precisions = [s.strip() for s in args.precision.split(",") if s.strip()]
     valid = {f"fp8-{r}" for r in RECIPES} | {"fp8-tensorwise-hybrid", "fp8-delayed-hybrid"}
-    valid |= {f"{v}-bf16wgrad" for v in valid if not v.startswith("fp8-blockwise")}
+    valid |= {f"{v}-bf16wgrad{g}" for v in valid if not v.startswith("fp8-blockwise") for g in ("", "fc2")}
     valid |= {f"{v}-fastall" for v in valid}
     valid |= {f"{v}-cached" for v in valid}
     valid |= {f"{v}-aligned" for v in valid if v.startswith("fp8-blockwise")}

@@ -30,9 +30,12 @@ def _quantized(M, K, N, L, seed, tail=37):
     return offs, aq, bq.view(L, N, K), sa.reciprocal().reshape(M), sb.reciprocal().reshape(L, N)
 
 
+SHIFTED = [(128, 256, 8, 4, 1, 1), (128, 128, 4, 4, 2, 1)]  # cut tiles moved up to their expert's end
+
+
 @pytest.mark.parametrize("M,K,N,L", [(131072 // 4, 2048, 1536, 128), (16384, 4096, 2048, 8), (3000, 272, 208, 7),
                                      (4096, 1024, 512, 1)])
-@pytest.mark.parametrize("config", [None, (128, 128, 4, 5, 2)])
+@pytest.mark.parametrize("config", [None, (128, 128, 4, 5, 2)] + SHIFTED)
 def test_gluon_ws_gemm_gives_the_triton_bits(M, K, N, L, config):
     offs, aq, bq, sa, sb = _quantized(M, K, N, L, seed=M + K)
     ref = tg.grouped_mm(aq, bq, sa, sb, offs, True)
@@ -41,9 +44,10 @@ def test_gluon_ws_gemm_gives_the_triton_bits(M, K, N, L, config):
     assert torch.equal(got[:v], ref[:v])
 
 
-def test_a_cut_tile_leaves_the_next_experts_rows():
+@pytest.mark.parametrize("config", [None] + SHIFTED)
+def test_a_cut_tile_leaves_the_next_experts_rows(config):
     """Two experts of 100 and 300 rows: the first's only tile is cut at row 100; the second's rows are its own
-    product, whichever tile finished last."""
+    product, whichever tile finished last (shifted: its last tile covers rows 272-400, over its second's)."""
     from lightning_moe.modules import triton_fp8_quant as tq
     g = torch.Generator(device="cuda").manual_seed(3)
     offs = torch.tensor([100, 400], device="cuda", dtype=torch.int32)
@@ -51,7 +55,7 @@ def test_a_cut_tile_leaves_the_next_experts_rows():
     bq, sb = tq.rowwise_quant((torch.randn(2 * 512, 256, generator=g, device="cuda") * 0.02).bfloat16())
     args = (aq, bq.view(2, 512, 256), sa.reciprocal().reshape(400), sb.reciprocal().reshape(2, 512), offs)
     for _ in range(5):
-        assert torch.equal(gw.grouped_mm(*args), tg.grouped_mm(*args, True))
+        assert torch.equal(gw.grouped_mm(*args, config), tg.grouped_mm(*args, True))
 
 
 @pytest.mark.parametrize("fast_accum", ["fprop", "all"])
@@ -68,6 +72,7 @@ def test_scaled_grouped_mm_with_and_without_the_gluon_kernels(fast_accum, monkey
     outs = {}
     for on in (False, True):
         monkeypatch.setattr(k, "GLUON_WS_GEMM", on)
+        monkeypatch.setattr(k, "GLUON_WS_NARROW", on)
         monkeypatch.setattr(tw, "GLUON", on)
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = k.scaled_grouped_mm(xg, wg, offs, FP8Spec("rowwise", fast_accum=fast_accum))

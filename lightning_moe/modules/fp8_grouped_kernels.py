@@ -24,7 +24,8 @@ added and written at every micro-batch (once per N micro-batches with ``defer_ex
 dgrad GEMMs run on ``triton_fp8_grouped_mm`` where triton is installed, with CUTLASS's bits and faster, above all at
 fine-grained experts with the precise accumulation (``LMOE_FP8_TRITON_GEMM=0``: CUTLASS's, for comparisons); the
 precise ones over K >= 4,096 on ``gluon_fp8_grouped_mm`` with ``LMOE_FP8_GLUON_GEMM=1``, the fast ones on the
-warp-specialized persistent ``gluon_fp8_grouped_ws`` with ``LMOE_FP8_GLUON_WS_GEMM=1`` (the same bits). There is
+warp-specialized persistent ``gluon_fp8_grouped_ws`` at fine-grained experts (``LMOE_FP8_GLUON_WS_GEMM=1``: everywhere,
+``0``: nowhere; the same bits). There is
 no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run
 emulated.
 
@@ -55,8 +56,11 @@ TRITON_WGRAD = os.environ.get("LMOE_FP8_TRITON_WGRAD", "1") != "0"
 TRITON_GEMM = os.environ.get("LMOE_FP8_TRITON_GEMM", "1") != "0"
 # opt-in: the Gluon precise GEMM gained 1-2 % on Mixtral's model (docs/PERFORMANCE.md), on triton's experimental API
 GLUON_GEMM = os.environ.get("LMOE_FP8_GLUON_GEMM", "0") == "1"
-# the fast accumulation on the warp-specialized persistent Gluon kernel (``gluon_fp8_grouped_ws``: the same bits)
-GLUON_WS_GEMM = os.environ.get("LMOE_FP8_GLUON_WS_GEMM", "0") == "1"
+# the fast accumulation on the warp-specialized persistent Gluon kernel (``gluon_fp8_grouped_ws``: the same bits):
+# everywhere with 1, never with 0; by default at fine-grained experts (its NARROW_ROWS rows per expert or fewer: 1.04-
+# 1.06x Qwen3's FP8 block; no faster at Mixtral's, docs/PERFORMANCE.md, fourth session of 2026-11-27)
+GLUON_WS_GEMM = os.environ.get("LMOE_FP8_GLUON_WS_GEMM", "") == "1"
+GLUON_WS_NARROW = os.environ.get("LMOE_FP8_GLUON_WS_GEMM", "") != "0"
 
 
 def available(device: torch.device) -> bool:
@@ -83,16 +87,17 @@ def _gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
 
 def _rows_gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
     """The forward or dgrad GEMM, rows grouped by expert: ``_gemm``'s product (``b`` (L, K, N) column-major) and bits,
-    on ``triton_fp8_grouped_mm`` (faster, above all at fine-grained experts with the precise accumulation), and, with
-    ``GLUON_GEMM``, the precise accumulation over a long K on ``gluon_fp8_grouped_mm`` (promotion overlapping MMAs)."""
+    on ``triton_fp8_grouped_mm`` (faster, above all at fine-grained experts with the precise accumulation); with
+    ``GLUON_GEMM``, the precise accumulation over a long K on ``gluon_fp8_grouped_mm`` (promotion overlapping MMAs);
+    the fast one at fine-grained experts (or everywhere with ``GLUON_WS_GEMM``) on ``gluon_fp8_grouped_ws``."""
     tg = load("triton_fp8_grouped_mm", a, TRITON_GEMM) if not interpreting() else None  # interpreter: no FP8 dot
     if tg is None:
         return _gemm(a, b, inv_a, inv_b, offs, fast)
     gm = load("gluon_fp8_grouped_mm", a, GLUON_GEMM and not fast)
     if gm is not None and a.shape[1] >= gm.MIN_K:
         return gm.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs)
-    ws = load("gluon_fp8_grouped_ws", a, GLUON_WS_GEMM and fast)
-    if ws is not None and ws.fits(b.shape[2]):
+    ws = load("gluon_fp8_grouped_ws", a, (GLUON_WS_GEMM or GLUON_WS_NARROW) and fast)
+    if ws is not None and ws.fits(b.shape[2]) and (GLUON_WS_GEMM or a.shape[0] <= ws.NARROW_ROWS * b.shape[0]):
         return ws.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs)
     return tg.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs, fast)
 

@@ -61,7 +61,7 @@ def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, out_ptr, offs_ptr, N, K, L, TILES, B
             num_warps: gl.constexpr):
     # triton_fp8_grouped_mm's schedule (from the offsets, on the device)
     live, e, row0, end, pn = _tile(gl.program_id(0), offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M,
-                                   num_warps)
+                                   num_warps, False)  # cut tiles stay in place (masked stores below)
     if not live:
         return
     col0 = e * N + pn * BLOCK_N

@@ -8,7 +8,9 @@ loader partition streams their K blocks through the shared-memory stages across 
 (one consumer of two warpgroups on 128 x 256 tiles, or two of one warpgroup on 128 x 128 tiles taking turns) store
 each whole tile by TMA from shared memory, asynchronously. A tile cut by its expert's end (the last of an expert
 whose rows are not a multiple of 128) is stored with masked pointer stores instead, which never write past the
-expert's rows; rows past ``offs[-1]`` are left undefined.
+expert's rows; with ``shift`` (the default at fine-grained experts, ``config_for``) it moves up to end at the
+expert's end wherever the expert has a whole tile of rows, and is loaded and stored whole, recomputing some rows of
+the tile before it with the same bits. Rows past ``offs[-1]`` are left undefined.
 """
 
 from __future__ import annotations
@@ -24,17 +26,22 @@ from lightning_moe.modules.gluon_fp8_wgrad import MAXNREG, WORKER_REGS, _buffers
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
 
 BLOCK_K = 128
-# (BLOCK_M, BLOCK_N, warps, stages[, consumers])
-CONFIG = (128, 256, 8, 4)
+# (BLOCK_M, BLOCK_N, warps, stages[, consumers[, shift]]): one consumer of 128 x 256 tiles at coarse experts; at up to
+# NARROW_ROWS rows per expert two consumers of 128 x 128 tiles, cut tiles shifted (benchmarks/bench_gluon_grouped_ws.py:
+# at Qwen3's shapes 1.06-1.19x triton's kernel, balanced and uneven, against 1.03-1.08x for one consumer;
+# docs/PERFORMANCE.md, fourth session of 2026-11-27)
+CONFIG, NARROW_CONFIG, NARROW_ROWS = (128, 256, 8, 4), (128, 128, 4, 4, 2, 1), 1024
 _BK = gl.constexpr(BLOCK_K)
 
 
 @gluon.jit
 def _tile(i, offs_ptr, N, L, TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr,
-          GROUP_M: gl.constexpr, WARPS: gl.constexpr):
+          GROUP_M: gl.constexpr, WARPS: gl.constexpr, SHIFT: gl.constexpr):
     """Tile ``i`` of TILES x cdiv(N, BLOCK_N) in ``triton_fp8_grouped_mm``'s order: (live, expert, first row, the
     expert's end, N tile); GROUP_M row tiles share each N tile, expert e owns the row tiles [cum[e] - tiles[e],
-    cum[e]) (from the offsets, on the device), and a tile past the schedule is not live."""
+    cum[e]) (from the offsets, on the device), and a tile past the schedule is not live. SHIFT: an expert's last
+    tile, cut by its end, moves up to end at it where the expert has BLOCK_M rows or more, so that it is whole (TMA
+    loads and stores); it recomputes rows of the tile before it, with the same bits."""
     tiles_n = gl.cdiv(N, BLOCK_N)
     width = GROUP_M * tiles_n
     first = (i // width) * GROUP_M
@@ -50,7 +57,10 @@ def _tile(i, offs_ptr, N, L, TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
     e = gl.sum((cum <= t).to(gl.int32), 0)  # experts wholly before tile t (L or more: past the schedule)
     mine = ls == e
     end = gl.sum(gl.where(mine, ends, 0), 0)
-    row0 = gl.sum(gl.where(mine, starts, 0), 0) + (t - gl.sum(gl.where(mine, cum - tiles, 0), 0)) * BLOCK_M
+    start = gl.sum(gl.where(mine, starts, 0), 0)
+    row0 = start + (t - gl.sum(gl.where(mine, cum - tiles, 0), 0)) * BLOCK_M
+    if SHIFT:
+        row0 = gl.where(end - start >= BLOCK_M, gl.minimum(row0, end - BLOCK_M), row0)
     return e < L, e, row0, end, pn
 
 
@@ -61,12 +71,13 @@ def _add(a, b):
 
 @gluon.jit
 def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, N, K, L, TILES, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+          BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+          SHIFT: gl.constexpr):
     """One warp: the K blocks of this program's live tiles into the stages, as soon as a stage is free."""
     nk = gl.cdiv(K, _BK)
     it = 0
     for i in range(gl.program_id(0), TILES * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
-        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, 1)
+        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, 1, SHIFT)
         if live:
             for kb in range(nk):
                 s = it % STAGES
@@ -81,7 +92,8 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, N, K, L, TILES
 @gluon.jit
 def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K, L, TILES,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr):
+             STAGES: gl.constexpr, CONSUMERS: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr,
+             SHIFT: gl.constexpr):
     """MMA warps, consumer C of CONSUMERS (every CONSUMERS-th live tile; main loops taking turns, as
     ``gluon_fp8_wgrad._consume``), then the scaled tile out: whole tiles by TMA, a tile cut by its expert's end by
     masked stores."""
@@ -92,7 +104,7 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
     j = 0  # live tiles so far
     n = 0  # this consumer's
     for i in range(gl.program_id(0), TILES * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
-        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, WARPS)
+        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, WARPS, SHIFT)
         if live:
             if j % CONSUMERS == C:
                 acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, C,
@@ -118,37 +130,43 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
 @gluon.jit
 def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr,
             N, K, L, TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ROLE: gl.constexpr):
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, ROLE: gl.constexpr,
+            SHIFT: gl.constexpr):
     """The worker partitions (one signature for all): the loader (ROLE 0) or the second consumer (ROLE 1)."""
     if ROLE == 0:
         _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L,
-              GROUP_M, STAGES)
+              GROUP_M, STAGES, SHIFT)
     else:
         _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K, L,
-                 TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, 2, 1, WARPS)
+                 TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, 2, 1, WARPS, SHIFT)
 
 
 @gluon.jit
 def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, out_ptr, offs_ptr, N, K, L, TILES, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-            CONSUMERS: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+            CONSUMERS: gl.constexpr, WORKER_REGS: gl.constexpr, SHIFT: gl.constexpr, num_warps: gl.constexpr):
     a_bufs, b_bufs, c_smem, ready, empty, order = _buffers(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K,
-                        L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, CONSUMERS, 0, num_warps)),
+                        L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, CONSUMERS, 0, num_warps, SHIFT)),
             (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr,
-                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 0)),
+                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 0, SHIFT)),
         ], [1], [32])
     else:
         gl.warp_specialize([
             (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr, offs_ptr, N, K,
-                        L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, CONSUMERS, 0, num_warps)),
+                        L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, CONSUMERS, 0, num_warps, SHIFT)),
             (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr,
-                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 1)),
+                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 1, SHIFT)),
             (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, out_ptr,
-                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 0)),
+                       offs_ptr, N, K, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, STAGES, num_warps, 0, SHIFT)),
         ], [num_warps, 1], [WORKER_REGS, 32])
+
+
+def config_for(M: int, L: int) -> tuple:
+    """The default config for M rows over L experts (host numbers: no sync)."""
+    return NARROW_CONFIG if M <= NARROW_ROWS * L else CONFIG
 
 
 def fits(N: int) -> bool:
@@ -160,12 +178,12 @@ def fits(N: int) -> bool:
 def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_LN: torch.Tensor,
                offs_L: torch.Tensor, config=None, programs=None) -> torch.Tensor:
     """``triton_fp8_grouped_mm.grouped_mm(..., fast=True)``'s product and bits (its arguments); ``config``:
-    (BLOCK_M, BLOCK_N, warps, stages[, consumers])."""
+    (BLOCK_M, BLOCK_N, warps, stages[, consumers[, shift]]), ``config_for``'s by default."""
     M, K, N, L = check_operands(a_MK, b_LNK, sa_M, sb_LN, offs_L)
     out = torch.empty(M, N, device=a_MK.device, dtype=torch.bfloat16)
     if M == 0 or N == 0 or L == 0:
         return out
-    bm, bn, warps, stages, *rest = config or CONFIG
+    bm, bn, warps, stages, *rest = config or config_for(M, L)
     f8 = gl.float8e4nv
     da = TensorDescriptor.from_tensor(a_MK.contiguous(), [bm, BLOCK_K],
                                       gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], f8))
@@ -178,5 +196,6 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
     _kernel[(min(programs, tiles * triton.cdiv(N, bn)),)](
         da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), dc, out, offs_L.to(torch.int32).contiguous(),
         N, K, L, tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=max(32, triton.next_power_of_2(L)), GROUP_M=8,
-        STAGES=stages, CONSUMERS=rest[0] if rest else 1, WORKER_REGS=WORKER_REGS, num_warps=warps, maxnreg=MAXNREG)
+        STAGES=stages, CONSUMERS=rest[0] if rest else 1, WORKER_REGS=WORKER_REGS,
+        SHIFT=rest[1] if len(rest) > 1 else 0, num_warps=warps, maxnreg=MAXNREG)
     return out

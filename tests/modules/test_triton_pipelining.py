@@ -221,7 +221,8 @@ def test_gluon_wgrad_fits_and_keeps_one_mma_in_flight(tmp_path, which, out):
 
 
 @nvidia
-@pytest.mark.parametrize("config", [(128, 256, 8, 4), (128, 128, 4, 5, 2)])
+@pytest.mark.parametrize("config", [(128, 256, 8, 4), (128, 128, 4, 5, 2), (128, 256, 8, 4, 1, 1),
+                                    (128, 128, 4, 4, 2, 1)])
 def test_gluon_ws_gemm_fits_without_spills(tmp_path, config):
     """``gluon_fp8_grouped_ws``, one and two consumers, with 128 experts' offsets read per tile (its widest schedule
     vector): within Hopper's shared memory and no spills in any partition (sm_90a, triton's ptxas)."""
@@ -242,7 +243,8 @@ def test_gluon_ws_gemm_fits_without_spills(tmp_path, config):
            "c_desc": f"tensordesc<bf16[{bm}, 64],{lc!r}>", "out_ptr": "*bf16", "offs_ptr": "*i32", "N": "i32",
            "K": "i32", "L": "i32", "TILES": "i32"}
     const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_L": 128, "GROUP_M": 8, "STAGES": stages,
-             "CONSUMERS": rest[0] if rest else 1, "WORKER_REGS": gm.WORKER_REGS, "num_warps": warps}
+             "CONSUMERS": rest[0] if rest else 1, "WORKER_REGS": gm.WORKER_REGS,
+             "SHIFT": rest[1] if len(rest) > 1 else 0, "num_warps": warps}
     sig.update({k: "constexpr" for k in const})
     names = gm._kernel.arg_names
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "out_ptr", "offs_ptr", "N",
@@ -254,6 +256,16 @@ def test_gluon_ws_gemm_fits_without_spills(tmp_path, config):
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True).stderr
     assert " 0 bytes spill stores" in res, res
+
+
+def test_gluon_ws_gemm_config_choice():
+    """Two consumers with shifted cut tiles at up to 1,024 rows per expert (Qwen3's block and micro-batches); one
+    consumer of 128 x 256 tiles at more (Mixtral's)."""
+    gm = pytest.importorskip("lightning_moe.modules.gluon_fp8_grouped_ws")
+    assert gm.config_for(128 * 1024, 128) == gm.NARROW_CONFIG == (128, 128, 4, 4, 2, 1)
+    assert gm.config_for(65536, 128) == gm.NARROW_CONFIG
+    assert gm.config_for(8 * 2048, 8) == gm.CONFIG == (128, 256, 8, 4)
+    assert gm.config_for(8 * 1024 + 1, 8) == gm.CONFIG
 
 
 def test_gluon_wgrad_config_choice():
