@@ -97,7 +97,7 @@ def _rows_gemm(a, b, inv_a, inv_b, offs, fast: bool) -> torch.Tensor:
     if gm is not None and a.shape[1] >= gm.MIN_K:
         return gm.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs)
     ws = load("gluon_fp8_grouped_ws", a, (GLUON_WS_GEMM or GLUON_WS_NARROW) and fast)
-    if ws is not None and ws.fits(b.shape[2]) and (GLUON_WS_GEMM or a.shape[0] <= ws.NARROW_ROWS * b.shape[0]):
+    if ws is not None and ws.fits(b.shape[2]) and (GLUON_WS_GEMM or ws.narrow(a.shape[0], b.shape[0])):
         return ws.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs)
     return tg.grouped_mm(a, b.transpose(1, 2), inv_a, inv_b, offs, fast)
 

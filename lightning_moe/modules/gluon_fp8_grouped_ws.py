@@ -164,9 +164,14 @@ def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, out_ptr, offs_ptr, N, K, L, 
         ], [num_warps, 1], [WORKER_REGS, 32])
 
 
+def narrow(M: int, L: int) -> bool:
+    """Whether M rows over L experts are fine-grained: NARROW_ROWS per expert or fewer (host numbers: no sync)."""
+    return M <= NARROW_ROWS * L
+
+
 def config_for(M: int, L: int) -> tuple:
-    """The default config for M rows over L experts (host numbers: no sync)."""
-    return NARROW_CONFIG if M <= NARROW_ROWS * L else CONFIG
+    """The default config for M rows over L experts."""
+    return NARROW_CONFIG if narrow(M, L) else CONFIG
 
 
 def fits(N: int) -> bool:
