@@ -111,10 +111,12 @@ def test_scaled_grouped_mm_with_and_without_the_triton_gemm(fast_accum, monkeypa
         assert torch.equal(a, b), name
 
 
-def test_unquantized_wgrad_into_main_grads():
+@pytest.mark.parametrize("defer", [False, True])
+def test_unquantized_wgrad_into_main_grads(defer):
     """``FP8Spec(fp8_wgrad=False)`` under GradSync's gradient-accumulation fusion: the experts' wgrad from the
     unquantized bf16 operands, accumulated in fp32 into the main grad over two micro-batches (float64's up to the
-    summation order); the dgrad that of the FP8 wgrad's run, bit for bit."""
+    summation order), at each micro-batch or (``defer``) once over both at the armed backward; the dgrad that of the
+    FP8 wgrad's run, bit for bit."""
     from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
     from lightning_moe.modules.fp8_linear import FP8Spec
     from lightning_moe.strategy.grad_sync import GradSync
@@ -128,8 +130,9 @@ def test_unquantized_wgrad_into_main_grads():
         if i == 1:
             sync.arm()
         xg = x.clone().requires_grad_()
-        fp8_grouped_mm(xg, p, offs, FP8Spec("rowwise", fp8_wgrad=False)).backward(dy * scale)
+        fp8_grouped_mm(xg, p, offs, FP8Spec("rowwise", fp8_wgrad=False, defer_wgrad=defer)).backward(dy * scale)
         dxs.append(xg.grad)
+        assert len(sync.held(p)) == (defer and i == 0)
     sync.finish()
     xf = x.clone().requires_grad_()
     fp8_grouped_mm(xf, w.clone().requires_grad_(), offs, FP8Spec("rowwise")).backward(dy)

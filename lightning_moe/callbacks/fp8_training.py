@@ -98,7 +98,10 @@ class FP8Training(L.Callback):
             once per micro-batch: not the same bits, closer ones. An int N >= 2 holds at most N micro-batches: the
             backward that fills the window runs them, so the held operands stay bounded under long gradient
             accumulation, at one read, add and write of the main grads per window (the same bits with fp32 main
-            grads).
+            grads). With ``fp8_wgrad=False`` (E4M3 gradients: rowwise, or ``fp8_format='e4m3'``) it defers the bf16
+            wgrad instead: the held operands are the unquantized bf16 ones (2 bytes per element, the GEMMs' inputs
+            kept past their backward), summed over the window in one fp32 accumulator per tile
+            (``triton_grouped_wgrad.wgrad_segments_into``: float32 rounding in another order, not the same bits).
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
@@ -129,10 +132,13 @@ class FP8Training(L.Callback):
                              "DeepGEMM already runs on bf16 tensor cores (from its 128-token tiles); use "
                              "fp8_wgrad=False with the tensorwise, delayed or rowwise recipe, or leave it on")
         window = _defer_window(defer_expert_wgrad)
-        if defer_expert_wgrad and (recipe != "rowwise" or not fp8_wgrad):
-            raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_wgrad={fp8_wgrad}, defer_expert_wgrad=True): only "
-                             "the rowwise recipe's FP8 expert wgrad (Triton) can be deferred; use recipe='rowwise' "
-                             "with fp8_wgrad=True, or leave defer_expert_wgrad off")
+        e5m2 = fp8_format == "hybrid" or (fp8_format is None and recipe in ("tensorwise", "delayed"))
+        if defer_expert_wgrad and (recipe != "rowwise" if fp8_wgrad else e5m2):
+            raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_wgrad={fp8_wgrad}, fp8_format={fp8_format!r}, "
+                             "defer_expert_wgrad=True): only the rowwise recipe's FP8 expert wgrad (Triton) or, with "
+                             "fp8_wgrad=False, the bf16 expert wgrad behind E4M3 gradients (E5M2 ones run emulated) "
+                             "can be deferred; use recipe='rowwise', or fp8_wgrad=False with fp8_format='e4m3', or "
+                             "leave defer_expert_wgrad off")
         self.defer_expert_wgrad, self.defer_window = bool(defer_expert_wgrad), window
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format
@@ -251,7 +257,13 @@ class FP8Training(L.Callback):
         wgrad into a main grad. A rank without one (a pipeline stage of dense layers) has nothing to defer."""
         trained = [g for g in grouped if g.weight.requires_grad]
         why = None
-        if trained and not _triton_wgrad_runs(self.recipe, trained, device, self.emulate):
+        if trained and not self.fp8_wgrad:  # the bf16 wgrad: the experts' GEMMs on the FP8 kernels, not emulated
+            if self.emulate or not all(grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in trained):
+                why = ("FP8Training(fp8_wgrad=False, defer_expert_wgrad=True) needs the experts' FP8 kernels (an SM "
+                       "9.0 GPU, expert GEMM dims that are multiples of 16, no emulation; here: "
+                       f"{device.type}, emulate={self.emulate}, dims {sorted({(g.K, g.N) for g in trained})}); leave "
+                       "defer_expert_wgrad off")
+        elif trained and not _triton_wgrad_runs(self.recipe, trained, device, self.emulate):
             why = ("FP8Training(defer_expert_wgrad=True) needs the experts' Triton FP8 wgrad: an SM 9.0 GPU with "
                    "triton, expert GEMM dims that are multiples of 16, no emulation, and LMOE_FP8_TRITON_WGRAD / "
                    f"LMOE_FP8_TRITON_QUANT not 0 (here: {device.type}"

@@ -364,7 +364,8 @@ def _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN) -> torch.Tensor:
     ctx.sync = ctx.param = None
     if sync is None:
         return _wgrad(x_MK, dy_MN, offs, gid_M).to(w_LKN.dtype)
-    sync.accumulate_wgrad(param, lambda main, first: wgrad_fusion.grouped_wgrad_into(main, x_MK, dy_MN, offs, first))
+    spec = ctx.spec
+    wgrad_fusion.grouped_wgrad(sync, param, x_MK, dy_MN, offs, spec.defer_wgrad, spec.defer_window)
     return torch.empty_like(w_LKN)  # never read: it only fires GradSync's hook, which drops it
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from lightning_moe.modules.fp8 import (BLOCK, AmaxHistory, Tiling, block_amax, formats, fp8_mm, quantize,
                                        tiling)
 from lightning_moe.modules.kernels import load
-from lightning_moe.modules.wgrad_fusion import wgrad_into
+from lightning_moe.modules.wgrad_fusion import sink_for, wgrad_into
 
 
 @dataclass
@@ -196,8 +196,10 @@ def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_NK, spec: FP8Spec):
+    def forward(ctx, x, w_NK, spec: FP8Spec, sync):
         ctx.spec, ctx.shape = spec, x.shape
+        # the parameter itself for the main grad (a saved weight may come back as another tensor: wgrad_fusion.py)
+        ctx.sync, ctx.weight = sync, w_NK if sync is not None else None
         x_MK = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x_MK, w_NK)
         fwd, _ = spec.formats()
@@ -219,16 +221,22 @@ class _FP8Linear(torch.autograd.Function):
         dx = _mm(spec, ("dy", "w_t"), dy_MN, lambda: w_NK.t().contiguous(), ("grad", "weight"), (bwd, fwd),
                  ("data", col), (row, col), x_MK.dtype, "dgrad", None if amax_w is None else amax_w.t(), weight=w_NK)
         if not spec.fp8_wgrad:  # the unquantized operands, accumulated in fp32 (the fused wgrad's GEMM)
+            sync, param = ctx.sync, ctx.weight
+            ctx.sync = ctx.weight = None
+            x_MK = x_MK.to(dy_MN.dtype)
+            if sync is not None:  # straight into the fp32 main grad: no fp32 gradient, bf16 rounding or hook's add
+                sync.accumulate_wgrad(param, lambda main, first: wgrad_into(main, dy_MN, x_MK, first))
+                return dx.reshape(ctx.shape), torch.empty_like(w_NK), None, None  # never read: it fires the hook
             dw = torch.empty(w_NK.shape, dtype=torch.float32, device=w_NK.device)
-            wgrad_into(dw, dy_MN, x_MK.to(dy_MN.dtype), True)
-            return dx.reshape(ctx.shape), dw.to(w_NK.dtype), None
+            wgrad_into(dw, dy_MN, x_MK, True)
+            return dx.reshape(ctx.shape), dw.to(w_NK.dtype), None, None
         # wgrad dW = dy^T x, reduced over the tokens M (never split); blockwise tiles of 128 tokens: zero rows pad M
         # to a multiple (they add nothing to the product and change no tile's amax)
         pad = (-x_MK.shape[0]) % BLOCK if spec.recipe == "blockwise" else 0
         dy_pad, x_pad = (F.pad(dy_MN, (0, 0, 0, pad)), F.pad(x_MK, (0, 0, 0, pad))) if pad else (dy_MN, x_MK)
         dw = _mm_t(spec, ("dy_t", "x_t"), dy_pad, x_pad, ("grad", "input"), (bwd, fwd), (col, "data"), (row, "data"),
                    w_NK.dtype, "wgrad")
-        return dx.reshape(ctx.shape), dw, None
+        return dx.reshape(ctx.shape), dw, None, None
 
 
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torch.Tensor:
@@ -237,4 +245,7 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torch.Tens
     from lightning_moe.modules import fp8_deepgemm  # it builds on this module
     if spec.recipe == "blockwise" and fp8_deepgemm.linear_runs(spec, x, w_NK):
         return fp8_deepgemm.linear(x, w_NK, spec)
-    return _FP8Linear.apply(x, w_NK, spec)
+    # fp8_wgrad=False under GradSync's gradient-accumulation fusion: the wgrad's GEMM adds into the main grad (decided
+    # here: grad mode is off inside the autograd function's forward)
+    sync = None if spec.fp8_wgrad else sink_for(w_NK, x, grouped=False)
+    return _FP8Linear.apply(x, w_NK, spec, sync)

@@ -21,7 +21,8 @@ Not covered:
 * the router (fp32 weight and gradient already) and the norms (vectors);
 * GEMMs swapped for FP8 ones (``FP8Training``) whose wgrad is an FP8 kernel with a bf16 output: the dense scaled
   linears and the tensorwise/delayed experts. The blockwise recipe on DeepGEMM (``fp8_deepgemm``) and the rowwise
-  experts' Triton wgrad (``fp8_grouped_kernels``) do write into the main grads, through ``sink_for``.
+  experts' Triton wgrad (``fp8_grouped_kernels``) do write into the main grads, through ``sink_for``, and so do the
+  dense FP8 linears and the experts with ``fp8_wgrad=False`` (their wgrad is this module's bf16 GEMM).
 
 The weight's autograd gradient is then an uninitialised tensor (as in Megatron): it only fires the post-accumulate
 hook that counts the bucket as ready, and GradSync drops it unread.
@@ -127,6 +128,34 @@ def grouped_wgrad_into(main_LKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.
     x32, dy32 = F.pad(x_MK.float(), (0, Kp - K)), F.pad(dy_MN.float(), (0, Np - N))
     prod_LKN = F.grouped_mm(x32.t(), dy32, offs=offs_L.to(torch.int32))[:, :K, :N]
     main_LKN.copy_(prod_LKN) if first else main_LKN.add_(prod_LKN)
+
+
+@torch.no_grad()
+def grouped_wgrad_segments_into(main_LKN: torch.Tensor, segments: list, first: bool) -> None:
+    """``grouped_wgrad_into`` over several micro-batches' ``(x, dy, offs)``: one pass over the main grad on the
+    kernel (``triton_grouped_wgrad.wgrad_segments_into``), one per segment on the reference."""
+    tk = kernels.load("triton_grouped_wgrad", segments[0][0])
+    if tk is not None and len(segments) > 1:
+        tk.wgrad_segments_into(main_LKN, segments, first)
+        return
+    for i, (x_MK, dy_MN, offs_L) in enumerate(segments):
+        grouped_wgrad_into(main_LKN, x_MK, dy_MN, offs_L, first and i == 0)
+
+
+def grouped_wgrad(sync, param: torch.nn.Parameter, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_L: torch.Tensor,
+                  defer: bool = False, window=None) -> None:
+    """The experts' bf16 wgrad into ``param.main_grad`` through ``sync`` (a GradSync): now, or (``defer``) held with
+    its operands until the step's last backward or a full ``window`` of micro-batches (``GradSync.defer_wgrad``),
+    then run over all of them in one pass over the main grad."""
+    if not defer:
+        sync.accumulate_wgrad(param, lambda main, first: grouped_wgrad_into(main, x_MK, dy_MN, offs_L, first))
+        return
+
+    def run(main, first, helds):
+        segments = list(helds)
+        helds.clear()  # the operands go with this pass
+        grouped_wgrad_segments_into(main, segments, first)
+    sync.defer_wgrad(param, (x_MK, dy_MN, offs_L), run, window)
 
 
 class _GroupedWgradIntoMainGrad(torch.autograd.Function):

@@ -109,3 +109,36 @@ def test_fp8_linear_tensor_parallel_matches_one_process(tp_results, recipe):
             assert max(errs) < 1e-5, (rank, key, errs)  # the same quantized operands: float32 summation order only
         if recipe != "blockwise":  # (blockwise tiles never straddle ranks: nothing to reduce)
             assert res["unreduced"] > 1e-4, res["unreduced"]
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("dtype,device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
+                                          pytest.param(torch.bfloat16, "cuda", marks=[pytest.mark.gpu, _CUDA])])
+def test_unquantized_wgrad_into_main_grads(dtype, device):
+    """``FP8Spec(fp8_wgrad=False)`` under GradSync's gradient-accumulation fusion: the wgrad's GEMM adds into the fp32
+    main grad over two micro-batches (float64's up to the summation order, no bf16 rounding of each micro-batch's
+    gradient); the output and dgrad are those of the unfused run, bit for bit."""
+    from lightning_moe.strategy.grad_sync import GradSync
+    from lightning_moe.strategy.parallel_context import ParallelContext
+    x, w, dy = (t.to(dtype).to(device) for t in _data())
+    p = torch.nn.Parameter(w.clone())
+    p.wgrad_fusable = True
+    sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+    spec = FP8Spec("rowwise", emulate=device == "cpu", fp8_wgrad=False)  # CUDA: the FP8 kernels (Hopper)
+    for i, scale in enumerate((1.0, 2.0)):
+        if i == 1:
+            sync.arm()
+        xg = x.clone().requires_grad_()
+        y = fp8_linear(xg, p, spec)
+        y.backward(dy * scale)
+        assert p.grad is None  # the hook dropped the placeholder
+    sync.finish()
+    y0, dx0, dw0 = _run(x, w, dy * 2.0, spec)
+    assert torch.equal(y, y0) and torch.equal(xg.grad, dx0)
+    ref = 3 * dy.double().t() @ x.double()
+    assert p.main_grad.dtype == torch.float32
+    assert ((p.main_grad.double() - ref).norm() / ref.norm()).item() < 1e-6
+    if dtype == torch.bfloat16:  # the unfused gradient is rounded to bf16 before the hook adds it
+        assert ((dw0.double() * 1.5 - ref).norm() / ref.norm()).item() > 1e-4

@@ -18,7 +18,7 @@ CASES = [([5, 0, 17, 33], 24, 40, torch.float32, 3), ([16, 16], 32, 48, torch.bf
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernel_under_the_interpreter():
     pytest.importorskip("triton")
-    run_interpreted(__file__, k="interpreted", passed=len(CASES) + 1)
+    run_interpreted(__file__, k="interpreted", passed=len(CASES) + 1 + len(SEGMENT_CASES))
 
 
 def _check(counts, K, N, dtype, tail, device, main_dtype=torch.float32):
@@ -46,6 +46,53 @@ def _check(counts, K, N, dtype, tail, device, main_dtype=torch.float32):
             torch.testing.assert_close(main.double(), want, rtol=1e-5, atol=5e-5 * max(counts) ** 0.5)
         else:  # bf16 main grads (bf16 main params): each store rounds to bf16 (2^-8 of entries ~sqrt(rows))
             torch.testing.assert_close(main.double(), want, rtol=1e-2, atol=2e-2 * max(counts) ** 0.5)
+
+
+# (each segment's rows per expert, K, N, dtype): segments of different lengths, empty experts, one empty segment
+SEGMENT_CASES = [([[5, 0, 17, 33], [0, 9, 1, 2], [16, 16, 0, 40]], 24, 40, torch.float32),
+                 ([[16, 16], [0, 0], [7, 3]], 32, 48, torch.bfloat16)]
+
+
+def _check_segments(segs, K, N, dtype, device, windows=2):
+    """``wgrad_segments_into`` over each window of segments (the first window writes, later ones add), against
+    float64; every segment in tensors of its own, with poisoned rows past its last expert; the second one a view one
+    row into a larger tensor (off the kernel's 16-element alignment unless K is a multiple of 16)."""
+    from lightning_moe.modules import kernels
+    tk = kernels.load("triton_grouped_wgrad", torch.empty(0, device=device))
+    L = len(segs[0])
+    g = torch.Generator().manual_seed(L + K + N)
+    main = torch.full((L, K, N), float("nan"), device=device)
+    want = torch.zeros(L, K, N, dtype=torch.float64, device=device)
+    for w in range(windows):
+        segments = []
+        for i, counts in enumerate(segs):
+            M, tail, lead = sum(counts), 3, int(i == 1)
+            x = torch.randn(lead + M + tail, K, generator=g).to(dtype).to(device)[lead:]
+            dy = torch.randn(lead + M + tail, N, generator=g).to(dtype).to(device)[lead:]
+            x[M:], dy[M:] = float("nan"), float("nan")
+            segments.append((x, dy, torch.tensor(counts).cumsum(0).to(torch.int32).to(device)))
+            bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
+            for l in range(L):
+                want[l] += x[bounds[l]:bounds[l + 1]].double().t() @ dy[bounds[l]:bounds[l + 1]].double()
+        tk.wgrad_segments_into(main, segments, first=w == 0)
+        rows = max(sum(c[l] for c in segs) for l in range(L)) * (w + 1)
+        torch.testing.assert_close(main.double(), want, rtol=1e-5, atol=5e-5 * rows ** 0.5)
+
+
+@pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
+@pytest.mark.parametrize("segs,K,N,dtype", SEGMENT_CASES)
+def test_grouped_wgrad_segments_interpreted(segs, K, N, dtype):
+    _check_segments(segs, K, N, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("segs,K,N,dtype", [c for c in SEGMENT_CASES if c[3] == torch.bfloat16] + [
+    ([[5, 0, 17, 33], [0, 9, 1, 2], [16, 16, 0, 40]], 24, 40, torch.bfloat16),  # a view off the alignment
+    ([[300, 0, 17, 513, 128, 77, 1, 1000], [0] * 8, [64] * 8], 512, 768, torch.bfloat16),
+    ([[512] * 128] * 4, 2048, 1536, torch.bfloat16)])  # qwen3 fc1, four micro-batches
+def test_grouped_wgrad_segments_on_gpu(segs, K, N, dtype):
+    _check_segments(segs, K, N, dtype, "cuda")
 
 
 @pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")

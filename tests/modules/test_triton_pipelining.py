@@ -330,3 +330,40 @@ def test_fused_swiglu_quant_config_choice():
     assert tsw.config(16384, 14336, True) == (32, 1, 2048, 8, 3, True, True, None)
     assert tsw.config(16384, 16384 + 4096, True)[4:6] == (1, False)  # read back
     assert not tsw.fuses(700) and tsw.fuses(768)
+
+
+def _bf16_wgrad_asm(segments: bool, acc: bool):
+    """``triton_grouped_wgrad``'s kernel (one micro-batch) or its segments kernel (a deferred window), compiled for
+    sm_90 at the default config: (Triton GPU IR, PTX)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lightning_moe.modules import triton_grouped_wgrad as tk
+    kernel = tk._wgrad_segments_kernel if segments else tk._wgrad_kernel
+    sig = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "out_ptr": "*fp32", "offs_ptr": "*i32"}
+    sig.update(dict(xoff_ptr="*i64", dyoff_ptr="*i64", S="i32", L="i32", K="i32", N="i32") if segments
+               else dict(K="i32", N="i32", stride_x="i32", stride_dy="i32"))
+    c = tk.DEFAULT
+    const = dict(ACC=acc, **c.kwargs)
+    sig.update({k: "constexpr" for k in const})
+    names = kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("x_ptr", "dy_ptr", "out_ptr", "offs_ptr", "K", "N",
+                                                                    "stride_x", "stride_dy") if n in names}
+    compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+    return compiled.asm["ttgir"], compiled.asm["ptx"]
+
+
+@nvidia
+@pytest.mark.parametrize("acc", [False, True])
+def test_bf16_segments_wgrad_loads_as_the_one_micro_batch_kernel(acc):
+    """The deferred bf16 wgrad's segments kernel reads each segment through an offset loaded from memory: its inner
+    loop must stay pipelined (2 * stages async copies) and its loads as wide as the one-micro-batch kernel's (the same
+    number of cp.async instructions), which the offsets' divisibility hint gives."""
+    ir1, ptx1 = _bf16_wgrad_asm(False, acc)
+    irs, ptxs = _bf16_wgrad_asm(True, acc)
+    from lightning_moe.modules import triton_grouped_wgrad as tk
+    copies = "async_copy_global_to_local"
+    assert irs.count(copies) == ir1.count(copies) == 2 * tk.DEFAULT.num_stages
+    n_s, n_1 = (ptx.count("cp.async.cg") + ptx.count("cp.async.ca") for ptx in (ptxs, ptx1))
+    assert n_s == n_1 > 0

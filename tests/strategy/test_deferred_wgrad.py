@@ -179,9 +179,14 @@ def test_callback_refuses_what_cannot_defer(monkeypatch):
             FP8Training("rowwise", defer_expert_wgrad=bad)
     assert FP8Training("rowwise", defer_expert_wgrad=True).defer_window is None
     assert FP8Training("rowwise", defer_expert_wgrad=4).defer_window == 4
-    for kwargs in (dict(recipe="tensorwise"), dict(recipe="blockwise"), dict(recipe="rowwise", fp8_wgrad=False)):
+    for kwargs in (dict(recipe="tensorwise"), dict(recipe="blockwise"), dict(recipe="tensorwise", fp8_wgrad=False),
+                   dict(recipe="delayed", fp8_wgrad=False, fp8_format="hybrid")):
         with pytest.raises(ValueError, match="only the rowwise recipe's FP8 expert wgrad"):
             FP8Training(defer_expert_wgrad=True, **kwargs)
+    # the bf16 wgrad behind E4M3 gradients defers too, but not on emulated experts (the CPU)
+    FP8Training("tensorwise", fp8_wgrad=False, fp8_format="e4m3", defer_expert_wgrad=2)
+    with pytest.raises(ValueError, match=r"fp8_wgrad=False, defer_expert_wgrad=True\) needs the experts' FP8 kernels"):
+        _start(FP8Training("rowwise", fp8_wgrad=False, defer_expert_wgrad=True), _lm())
     with pytest.raises(ValueError, match="needs the experts' Triton FP8 wgrad"):  # the CPU: emulated experts
         _start(FP8Training("rowwise", defer_expert_wgrad=True), _lm())
     with pytest.raises(ValueError, match="no trainable expert GEMM runs in FP8"):
@@ -216,6 +221,39 @@ def test_callback_refuses_what_cannot_defer(monkeypatch):
     experts = [n for n in specs if "experts.fc" in n]
     assert experts and all(specs[n].defer_wgrad == (n in experts) for n in specs)  # the dense linears: not deferred
     assert all(specs[n].defer_window == (3 if n in experts else None) for n in specs)
+    # fp8_wgrad=False: the experts' FP8 kernels are what it needs (not the FP8 wgrad's)
+    monkeypatch.setattr(fp8_training, "_triton_wgrad_runs", lambda *a: False)
+    monkeypatch.setattr(fp8_training.grouped_kernels, "eligible", lambda *a: True)
+    cb = FP8Training("rowwise", fp8_wgrad=False, defer_expert_wgrad=True)
+    _start(cb, lm)
+    specs = {n: vars(m)["_mm"].keywords["spec"] for n, m in lm.named_modules() if "_mm" in vars(m)}
+    assert all(specs[n].defer_wgrad == (n in experts) and not specs[n].fp8_wgrad for n in specs)
+
+
+def test_bf16_grouped_wgrad_held_then_run_over_the_window():
+    """``wgrad_fusion.grouped_wgrad(defer=True)`` (the experts' bf16 wgrad under ``fp8_wgrad=False``): each micro-
+    batch's operands held; a full window (2) runs them into the main grad, the armed backward the rest; the main grad
+    is the sum over every micro-batch (float64's up to float32 summation order) and nothing stays held."""
+    from lightning_moe.modules import wgrad_fusion
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.zeros(3, 8, 12))
+    sync = GradSync([w], ParallelContext.single(), main_grads=True)
+    want = torch.zeros(3, 8, 12, dtype=torch.float64)
+    for mb in range(3):
+        counts = torch.tensor([[4, 0, 7], [1, 2, 3], [0, 0, 9]][mb])
+        x, dy = torch.randn(int(counts.sum()) + 2, 8, generator=g), torch.randn(int(counts.sum()) + 2, 12, generator=g)
+        offs = counts.cumsum(0)
+        ends = [0] + offs.tolist()
+        for e in range(3):
+            want[e] += x[ends[e]:ends[e + 1]].double().t() @ dy[ends[e]:ends[e + 1]].double()
+        if mb == 2:
+            sync.arm()
+        wgrad_fusion.grouped_wgrad(sync, w, x, dy, offs, defer=True, window=2)
+        assert len(sync.held(w)) == [1, 0, 0][mb]  # the window of two ran at the second; the armed one at once
+        w.grad = torch.empty_like(w)
+        sync._on_grad_ready(w)
+    sync.finish()
+    assert ((w.main_grad.double() - want).norm() / want.norm()).item() < 1e-6
 
 
 def test_held_operands_go_side_by_side_into_the_arenas():
