@@ -258,6 +258,8 @@ def strategy_kwargs(args) -> dict:
         kw["gradient_accumulation_fusion"] = False
     if args.no_fused_optimizer:
         kw["fused_optimizer_writeback"] = False
+    if args.defer_expert_wgrad:
+        kw["defer_expert_wgrad"] = args.defer_expert_wgrad
     if args.pp > 1 or args.microbatches > 1:
         kw.update(pipeline_parallel_size=args.pp, num_microbatches=args.microbatches)
         if args.vpp:
@@ -488,6 +490,8 @@ def run_in_subprocess(args, preset: str) -> dict:
         cmd += ["--no-wgrad-fusion"] if args.no_wgrad_fusion else []
         cmd += ["--no-fused-optimizer"] if args.no_fused_optimizer else []
         cmd += ["--no-expert-wgrad-fusion"] if args.no_expert_wgrad_fusion else []
+        cmd += (["--defer-expert-wgrad"] + ([] if args.defer_expert_wgrad is True else [str(args.defer_expert_wgrad)])
+                if args.defer_expert_wgrad else [])
         cmd += ["--pack-documents", "--doc-median", str(args.doc_median)] if args.pack_documents else []
         cmd += ["--dynamic-cp"] if args.dynamic_cp else []
         cmd += ["--distributed-optimizer"] if args.distributed_optimizer else []
@@ -549,6 +553,9 @@ def main(argv=None) -> dict:
                    help="MoEFoldStrategy(fused_optimizer_writeback=False): torch's AdamW, then the bf16 copy")
     p.add_argument("--no-wgrad-fusion", action="store_true",
                    help="MoEFoldStrategy(gradient_accumulation_fusion=False): the unfused baseline")
+    p.add_argument("--defer-expert-wgrad", nargs="?", const=True, default=False, type=int, metavar="N",
+                   help="MoEFoldStrategy(defer_expert_wgrad=True): the experts' bf16 wgrad once per optimizer step "
+                        "(with N: once per N micro-batches)")
     p.add_argument("--no-expert-wgrad-fusion", action="store_true",
                    help="the experts' wgrad GEMMs write bf16 gradients for the hook to add (the dense linears still fuse)")
     p.add_argument("--distributed-optimizer", action="store_true", help="MoEFoldStrategy(distributed_optimizer=True)")

@@ -84,7 +84,12 @@ def main() -> None:
     cases = {"experts_fp8": (experts(FP8Spec("rowwise", step=0)), 2),
              "experts_fp8_deferred": (experts(FP8Spec("rowwise", step=0, defer_wgrad=True)), 2),
              "experts_bf16": (bf16_experts, 2),
-             "dense_fp8": (dense(FP8Spec("rowwise", step=0)), 1), "dense_bf16": (bf16_dense, 1)}
+             "dense_fp8": (dense(FP8Spec("rowwise", step=0)), 1), "dense_bf16": (bf16_dense, 1),
+             # the options of Qwen3's best FP8 step: the bf16 wgrad (deferred for the experts), fast accumulation
+             "experts_fp8_bf16_wgrad": (experts(FP8Spec("rowwise", step=0, fp8_wgrad=False, fast_accum="all")), 2),
+             "experts_fp8_bf16_wgrad_deferred": (experts(FP8Spec("rowwise", step=0, fp8_wgrad=False, fast_accum="all",
+                                                                 defer_wgrad=True)), 2),
+             "dense_fp8_bf16_wgrad": (dense(FP8Spec("rowwise", step=0, fp8_wgrad=False, fast_accum="all")), 1)}
     rec = {"shapes": {"L": L, "K": K, "N": N, "M": M}, "host_us_per_fwd_bwd": {}, "launches_per_fwd_bwd": {},
            "top": {}, "top_cumulative": {}}
     for name, (fn, calls) in cases.items():

@@ -106,7 +106,7 @@ OVR = dict(seq_length=256, hidden_size=512, num_layers=3, num_attention_heads=4,
            shared_expert_ffn_size=512)
 
 
-def _fit(tmp_path, callbacks):
+def _fit(tmp_path, callbacks, **strategy_kw):
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
     from lightning_moe.data import write_tokens
     tokens = write_tokens(str(tmp_path / "t.bin"), np.random.default_rng(0).integers(0, 512, 80000), "uint16")
@@ -118,7 +118,8 @@ def _fit(tmp_path, callbacks):
             losses.append(outputs["lm_loss"].detach().clone())
             fused.append(sum("_act" in m.__dict__ for n, m in pl_module.named_modules() if n.endswith("experts.act")))
 
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=MoEFoldStrategy(), precision="bf16-true", max_steps=3,
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=MoEFoldStrategy(**strategy_kw), precision="bf16-true",
+                        max_steps=3,
                         accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, limit_val_batches=2,
                         val_check_interval=4, num_sanity_val_steps=0,  # evaluation runs under inference_mode
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -153,3 +154,39 @@ def test_fp8_training_with_the_fused_swiglu(tmp_path, monkeypatch):
     losses, state, fused = _fit(tmp_path, [fp8()])
     assert set(fused) == {0}
     torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=0)
+
+
+@hopper
+def test_fp8_training_defers_the_bf16_expert_wgrad(tmp_path):
+    """``fp8_wgrad=False`` with the experts' bf16 wgrad deferred, by ``FP8Training(defer_expert_wgrad=True)`` or by
+    ``MoEFoldStrategy(defer_expert_wgrad=True)``: the first step's main grads are the per-micro-batch ones up to
+    float32 summation order (the segments kernel sums the step's rows in one accumulator; the clipping coefficient
+    follows), and the losses follow closely. (Adam turns last-bit differences of near-zero gradients into whole
+    updates, so the weights are not compared.)"""
+    from lightning_moe import FP8Training
+
+    def fp8(**kw):
+        return FP8Training("rowwise", fast_accum="all", fp8_wgrad=False, **kw)
+
+    class Grads(L.Callback):  # the first step's main grads, after its optimizer step (nothing overwrites them yet)
+        def __init__(self):
+            self.grads = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                self.grads = {n: p.main_grad.double().clone() for n, p in pl_module.named_parameters()
+                              if getattr(p, "main_grad", None) is not None}
+
+    ref = Grads()
+    ref_losses, _, _ = _fit(tmp_path, [fp8(), ref])
+    experts = [n for n in ref.grads if ".experts.w" in n]
+    assert len(experts) == 4 and all(ref.grads[n].norm() > 0 for n in experts)
+    for name, callbacks, kw in (("callback", [fp8(defer_expert_wgrad=True)], {}),
+                                ("strategy", [fp8()], dict(defer_expert_wgrad=True))):
+        got = Grads()
+        losses, _, _ = _fit(tmp_path, [*callbacks, got], **kw)
+        assert torch.equal(losses[:2], ref_losses[:2]), name  # the first step's forward: no update yet
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=0)
+        for n, g in ref.grads.items():
+            rel = ((got.grads[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
+            assert rel < 1e-5, (name, n, rel)

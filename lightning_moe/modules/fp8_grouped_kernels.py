@@ -364,8 +364,9 @@ def _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN) -> torch.Tensor:
     ctx.sync = ctx.param = None
     if sync is None:
         return _wgrad(x_MK, dy_MN, offs, gid_M).to(w_LKN.dtype)
-    spec = ctx.spec
-    wgrad_fusion.grouped_wgrad(sync, param, x_MK, dy_MN, offs, spec.defer_wgrad, spec.defer_window)
+    spec = ctx.spec  # FP8Training(defer_expert_wgrad)'s deferral, else MoEFoldStrategy(defer_expert_wgrad)'s
+    defer = (spec.defer_wgrad, spec.defer_window) if spec.defer_wgrad else sync.expert_deferral
+    wgrad_fusion.grouped_wgrad(sync, param, x_MK, dy_MN, offs, *defer)
     return torch.empty_like(w_LKN)  # never read: it only fires GradSync's hook, which drops it
 
 

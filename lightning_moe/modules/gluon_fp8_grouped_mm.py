@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lightning_moe.modules.gluon_fp8_grouped_ws import _tile
+from lightning_moe.modules.gluon_fp8_wgrad import shared_layout
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
 
 BLOCK_K = 128  # the promotion interval, and the TMA block along K
@@ -115,8 +116,7 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
     if M == 0 or N == 0 or L == 0:
         return out
     bm, bn, warps, stages = config or CONFIG
-    la = gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv)
-    lb = gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], gl.float8e4nv)
+    la, lb = shared_layout((bm, BLOCK_K), gl.float8e4nv), shared_layout((bn, BLOCK_K), gl.float8e4nv)
     da = TensorDescriptor.from_tensor(a_MK.contiguous(), [bm, BLOCK_K], la)
     db = TensorDescriptor.from_tensor(b_LNK.contiguous().view(L * N, K), [bn, BLOCK_K], lb)
     tiles = triton.cdiv(M, bm) + L  # a static bound of the experts' row tiles

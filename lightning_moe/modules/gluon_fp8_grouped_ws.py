@@ -22,7 +22,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lightning_moe.modules.gluon_fp8_wgrad import MAXNREG, WORKER_REGS, _buffers, _mainloop, _store_tile
+from lightning_moe.modules.gluon_fp8_wgrad import (MAXNREG, WORKER_REGS, _buffers, _mainloop, _store_tile,
+                                                   shared_layout, sm_count)
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
 
 BLOCK_K = 128
@@ -190,14 +191,13 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
         return out
     bm, bn, warps, stages, *rest = config or config_for(M, L)
     f8 = gl.float8e4nv
-    da = TensorDescriptor.from_tensor(a_MK.contiguous(), [bm, BLOCK_K],
-                                      gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], f8))
+    da = TensorDescriptor.from_tensor(a_MK.contiguous(), [bm, BLOCK_K], shared_layout((bm, BLOCK_K), f8))
     db = TensorDescriptor.from_tensor(b_LNK.contiguous().view(L * N, K), [bn, BLOCK_K],
-                                      gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], f8))
-    dc = TensorDescriptor.from_tensor(out, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16))
+                                      shared_layout((bn, BLOCK_K), f8))
+    dc = TensorDescriptor.from_tensor(out, [bm, 64], shared_layout((bm, 64), gl.bfloat16))
     tiles = triton.cdiv(M, bm) + L  # a static bound of the experts' row tiles
     if programs is None:
-        programs = torch.cuda.get_device_properties(a_MK.device).multi_processor_count
+        programs = sm_count(torch.cuda._get_device_index(a_MK.device, optional=True))
     _kernel[(min(programs, tiles * triton.cdiv(N, bn)),)](
         da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), dc, out, offs_L.to(torch.int32).contiguous(),
         N, K, L, tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=max(32, triton.next_power_of_2(L)), GROUP_M=8,

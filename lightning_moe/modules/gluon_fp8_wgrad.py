@@ -19,6 +19,8 @@ zeros. Output rows are tiled 128 at a time per expert, so K must be a multiple o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -43,6 +45,19 @@ def config_for(tokens: int, experts: int, out_bytes: int = 2) -> tuple:
     """The default config for ``tokens`` padded tokens over ``experts`` into ``out_bytes``-byte values (host numbers:
     no sync)."""
     return NARROW_CONFIG if out_bytes > 2 or tokens <= (NARROW_TOKENS + T) * experts else CONFIG
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(block: tuple, dtype) -> gl.NVMMASharedLayout:
+    """The NVMMA shared-memory layout of a TMA block, built once per block and dtype (an immutable value: building it
+    at every launch cost host time on the models' many small GEMMs)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """The persistent kernels' program count: the GPU's SMs."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def fits(K: int, N: int, out: torch.Tensor) -> bool:
@@ -229,13 +244,12 @@ def descriptors(aT, bT, out_LKN, bk: int, bn: int):
     """The TMA descriptors: aT (K, P) and bT (N, P) in (rows, 128-token) blocks, out as (L * K, N) in
     (BLOCK_K, 128 bytes) pieces."""
     f8 = gl.float8e4nv
-    da = TensorDescriptor.from_tensor(aT, [bk, T], gl.NVMMASharedLayout.get_default_for([bk, T], f8))
-    db = TensorDescriptor.from_tensor(bT, [bn, T], gl.NVMMASharedLayout.get_default_for([bn, T], f8))
+    da = TensorDescriptor.from_tensor(aT, [bk, T], shared_layout((bk, T), f8))
+    db = TensorDescriptor.from_tensor(bT, [bn, T], shared_layout((bn, T), f8))
     dt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32, torch.float16: gl.float16}[out_LKN.dtype]
     split = min(bn, 128 // out_LKN.element_size())
     L, K, N = out_LKN.shape
-    dc = TensorDescriptor.from_tensor(out_LKN.view(L * K, N), [bk, split],
-                                      gl.NVMMASharedLayout.get_default_for([bk, split], dt))
+    dc = TensorDescriptor.from_tensor(out_LKN.view(L * K, N), [bk, split], shared_layout((bk, split), dt))
     return da, db, dc
 
 
@@ -250,7 +264,7 @@ def wgrad(out_LKN: torch.Tensor, aT: torch.Tensor, sa: torch.Tensor, bT: torch.T
     da, db, dc = descriptors(aT.contiguous(), bT.contiguous(), out_LKN, bk, bn)
     tiles = L * triton.cdiv(K, bk) * triton.cdiv(N, bn)
     if programs is None:
-        programs = torch.cuda.get_device_properties(out_LKN.device).multi_processor_count
+        programs = sm_count(torch.cuda._get_device_index(out_LKN.device, optional=True))
     _kernel[(min(programs, tiles),)](da, sa.float().contiguous(), db, sb.float().contiguous(), dc,
                                      offs_L.to(torch.int32).contiguous(), K, N, L, BLOCK_K=bk, BLOCK_N=bn, GROUP_K=8,
                                      STAGES=stages, CONSUMERS=consumers, WORKER_REGS=WORKER_REGS, num_warps=warps,

@@ -172,7 +172,7 @@ class _GroupedWgradIntoMainGrad(torch.autograd.Function):
         dx_MK = F.grouped_mm(dy_MN, w_LKN.transpose(-2, -1), offs=offs_L) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            ctx.sync.accumulate_wgrad(w_LKN, lambda main, first: grouped_wgrad_into(main, x_MK, dy_MN, offs_L, first))
+            grouped_wgrad(ctx.sync, w_LKN, x_MK, dy_MN, offs_L, *ctx.sync.expert_deferral)
             dw = torch.empty_like(w_LKN)  # never read: it only fires the hook (GradSync drops it)
         return dx_MK, dw, None, None
 

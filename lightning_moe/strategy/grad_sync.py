@@ -96,6 +96,8 @@ class GradSync:
         # hook is due to drop a placeholder without main_grad written
         self._deferred: dict[int, tuple] = {}
         self._holding: set[int] = set()
+        # MoEFoldStrategy(defer_expert_wgrad): (defer, window) for the experts' bf16 wgrad (wgrad_fusion.grouped_wgrad)
+        self.expert_deferral: tuple[bool, Optional[int]] = (False, None)
         limit = bucket_mb * 2**20
         by_group: dict[str, list] = {"dp_cp": [], "tp_dp_cp": [], "edp": []}
         for p in reversed(self.params):  # roughly the order in which backward produces gradients

@@ -175,6 +175,16 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             None (default): on wherever it applies (CUDA, Triton, bf16 weights with fp32 main params,
             torch.optim.Adam/AdamW without amsgrad or a tensor LR); True where it cannot apply is refused, naming
             why.
+        defer_expert_wgrad: the experts' bf16 weight gradient (bf16 experts, and FP8 ones with
+            ``FP8Training(fp8_wgrad=False)``) once per optimizer step, at its last backward, over every micro-batch's
+            held operands in one pass (``triton_grouped_wgrad.wgrad_segments_into``), instead of a read, add and
+            write of the fp32 main grads at every micro-batch: at fine-grained experts under gradient accumulation
+            that traffic bounds the wgrad (docs/PERFORMANCE.md). An int N >= 2 holds at most N micro-batches (one
+            pass per window). Costs memory: the GEMMs' bf16 inputs and output gradients stay held until their window
+            runs (2 bytes per routed token and feature of both expert GEMMs, per micro-batch). Float32 sums in another
+            order, not the same bits. Needs gradient-accumulation fusion (bf16 weights with fp32 main params, no
+            cuda_graphs); refused, naming why, where it is off. ``FP8Training(defer_expert_wgrad=...)`` sets the
+            FP8 experts' own.
     """
 
     strategy_name = "moe_fold"
@@ -194,7 +204,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  exp_avg_sq_dtype: Optional[str] = None, optimizer_cpu_offload: float = 0.0,
                  skip_nonfinite_steps: Optional[int] = None,
                  gradient_accumulation_fusion: Optional[bool] = None,
-                 fused_optimizer_writeback: Optional[bool] = None, accelerator=None,
+                 fused_optimizer_writeback: Optional[bool] = None,
+                 defer_expert_wgrad: Union[bool, int] = False, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -255,7 +266,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         self.optimizer_options = OptimizerOptions.parse(distributed_optimizer, overlap_param_gather, fp32_main_params,
                                                         main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype,
                                                         optimizer_cpu_offload, gradient_accumulation_fusion,
-                                                        fused_optimizer_writeback)
+                                                        fused_optimizer_writeback, defer_expert_wgrad)
         self.fp32_main_params = self.optimizer_options.main_params_fp32
         self._main_params: Optional[MainParams] = None
         self._sharded: Optional[ShardedOptimizer] = None

@@ -52,11 +52,13 @@ class OptimizerOptions:
     gradient_accumulation_fusion: Optional[bool] = None
     # Adam(W) and the bf16 write-back of the weights in one kernel (fused_adam.py); None: wherever it can
     fused_optimizer_writeback: Optional[bool] = None
+    # the experts' bf16 wgrad held until the step's last backward (True) or over windows of N micro-batches (an int)
+    defer_expert_wgrad: Union[bool, int] = False
 
     @classmethod
     def parse(cls, distributed_optimizer, overlap_param_gather, fp32_main_params, main_params_dtype, exp_avg_dtype,
               exp_avg_sq_dtype, optimizer_cpu_offload, gradient_accumulation_fusion=None,
-              fused_optimizer_writeback=None) -> "OptimizerOptions":
+              fused_optimizer_writeback=None, defer_expert_wgrad=False) -> "OptimizerOptions":
         for name, v in (("distributed_optimizer", distributed_optimizer),
                         ("overlap_param_gather", overlap_param_gather)):
             if not isinstance(v, bool):
@@ -66,6 +68,10 @@ class OptimizerOptions:
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"MoEFoldStrategy({name}={v!r}): must be True, False or None (on wherever it "
                                  "applies)")
+        if not isinstance(defer_expert_wgrad, (bool, int)) or (
+                not isinstance(defer_expert_wgrad, bool) and defer_expert_wgrad < 2):
+            raise ValueError(f"MoEFoldStrategy(defer_expert_wgrad={defer_expert_wgrad!r}): want True (once per "
+                             "optimizer step), False, or an int N >= 2 (at most N micro-batches held)")
         main = parse_dtype("main_params_dtype", main_params_dtype)
         if main is not None:
             want = main == torch.float32
@@ -76,7 +82,7 @@ class OptimizerOptions:
         avg, avg_sq = parse_dtype("exp_avg_dtype", exp_avg_dtype), parse_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
         return cls(distributed_optimizer, overlap_param_gather, fp32_main_params, avg, avg_sq,
                    parse_fraction("optimizer_cpu_offload", optimizer_cpu_offload), main == torch.bfloat16,
-                   gradient_accumulation_fusion, fused_optimizer_writeback)
+                   gradient_accumulation_fusion, fused_optimizer_writeback, defer_expert_wgrad)
 
     @property
     def sharded(self) -> bool:
@@ -106,6 +112,16 @@ class OptimizerOptions:
                              "captured backward would replay one micro-batch's choice of overwriting or adding the "
                              "main grads")
         return main_grads and not cuda_graphs if asked is None else asked
+
+    def expert_deferral(self, fuse_wgrad: bool) -> tuple[bool, Optional[int]]:
+        """``(defer, window)`` for ``GradSync.expert_deferral``; refused, naming the option, without the fusion whose
+        main grads the deferred wgrad writes into."""
+        defer = self.defer_expert_wgrad
+        if defer and not fuse_wgrad:
+            raise ValueError(f"MoEFoldStrategy(defer_expert_wgrad={defer!r}) needs gradient-accumulation fusion (the "
+                             "experts' wgrad written into the fp32 main grads): bf16 weights with fp32 main params "
+                             "(precision='bf16-true'), gradient_accumulation_fusion not False, no cuda_graphs")
+        return bool(defer), None if isinstance(defer, bool) else int(defer)
 
     def check_state_dtypes(self, bf16_main_params: bool) -> None:
         """fp32 moments cannot be had where the optimizer steps bf16 main params."""

@@ -269,3 +269,50 @@ def test_expert_fusion_only_for_16_bit_weights(dtype):
     ref = ref.to(dtype)
     ref(x, torch.tensor([4, 2])).sum().backward()
     assert torch.equal(ex.w13.main_grad, ref.w13.grad.to(ex.w13.main_grad.dtype))
+
+
+def test_defer_expert_wgrad_options():
+    parse = lambda v: OptimizerOptions.parse(False, True, None, None, None, None, 0.0,  # noqa: E731
+                                             defer_expert_wgrad=v)
+    for bad in (1, 0, -3, 2.5, "4", None):
+        with pytest.raises(ValueError, match=r"defer_expert_wgrad=.*want True .*or an int N >= 2"):
+            parse(bad)
+    assert parse(True).expert_deferral(True) == (True, None)
+    assert parse(4).expert_deferral(True) == (True, 4)
+    assert parse(False).expert_deferral(False) == (False, None)
+    with pytest.raises(ValueError, match=r"defer_expert_wgrad=4\) needs gradient-accumulation fusion"):
+        parse(4).expert_deferral(False)
+
+
+@pytest.mark.parametrize("defer", [True, 2])
+def test_trainer_defers_the_experts_bf16_wgrad_and_trains_alike(tmp_path, defer):
+    """``MoEFoldStrategy(defer_expert_wgrad=...)``: the experts' wgrad of the step's first micro-batch is held (and
+    nothing else), run with the second's; on the CPU's reference (one pass per segment, in order) the training is
+    the undeferred one's, bit for bit. A window of 2 here is the whole step (2 micro-batches)."""
+    import lightning as L
+
+    from lightning_moe.modules.experts import GroupedExperts
+    from tests.strategy.test_main_params import _fit
+    held = []
+
+    class Held(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            sync = trainer.strategy._grad_sync
+            ws = [p for n, p in pl_module.named_parameters()]
+            held.append((batch_idx, sum(len(sync.held(p)) for p in ws), sync.expert_deferral))
+
+    losses = {}
+    for name, kw in (("plain", {}), ("defer", dict(defer_expert_wgrad=defer))):
+        trainer, model = _fit(tmp_path / name, 3, callbacks=[_Losses(losses.setdefault(name, []), set()),
+                                                             *([Held()] if name == "defer" else [])], **kw)
+    experts = [w for m in model.modules() if isinstance(m, GroupedExperts) for w in (m.w13, m.w2)]
+    # the first micro-batch of each step holds each expert weight's operands; the second runs them
+    want = (True, None if defer is True else 2)
+    assert held == [(i, len(experts) if i % 2 == 0 else 0, want) for i in range(6)]
+    assert len(losses["defer"]) == 6 and losses["defer"] == losses["plain"]
+
+
+def test_strategy_refuses_deferral_without_fusion(tmp_path):
+    from tests.strategy.test_main_params import _fit
+    with pytest.raises(ValueError, match=r"defer_expert_wgrad=True\) needs gradient-accumulation fusion"):
+        _fit(tmp_path, 1, gradient_accumulation_fusion=False, defer_expert_wgrad=True)
