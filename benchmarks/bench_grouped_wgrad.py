@@ -6,7 +6,13 @@
 
 Balanced routing, bf16 operands, fp32 main grads. Prints JSON: median ms of each, the speed-up, and the GEMM's TFLOP/s.
 
-    python benchmarks/bench_grouped_wgrad.py --shapes qwen3,olmoe,mixtral
+With ``--segments S``, also a step of S micro-batches (each in tensors of its own) two ways:
+
+  per micro-batch  S ``wgrad_into`` (the first writes, the others add): the main grad read and written S times
+  deferred         one ``wgrad_segments_into`` over the S micro-batches (``MoEFoldStrategy(defer_expert_wgrad)``):
+                   the main grad written once
+
+    python benchmarks/bench_grouped_wgrad.py --shapes qwen3,olmoe,mixtral --segments 8
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3,olmoe,mixtral")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--segments", type=int, default=0, help="also time S micro-batches per step, deferred or not")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from lightning_moe.modules.triton_grouped_wgrad import wgrad_into
+    from lightning_moe.modules.triton_grouped_wgrad import wgrad_into, wgrad_segments_into
     dev = torch.device("cuda")
     records = []
     for name in args.shapes.split(","):
@@ -58,6 +65,22 @@ def main() -> None:
                 f" ms (x{rec['accumulate']['speedup']:.2f}), first {rec['first']['unfused_ms']:.3f} -> "
                 f"{rec['first']['fused_ms']:.3f} ms (x{rec['first']['speedup']:.2f}); grouped_mm alone "
                 f"{rec['first']['grouped_mm_ms']:.3f} ms")
+            if args.segments > 1:
+                S = args.segments
+                segs = [(x, dy, offs)] + [(torch.randn_like(x), torch.randn_like(dy), offs) for _ in range(S - 1)]
+
+                def per_micro_batch():
+                    for i, (xs, dys, o) in enumerate(segs):
+                        wgrad_into(main, xs, dys, o, i == 0)
+
+                def deferred():
+                    wgrad_segments_into(main, segs, True)
+                t_p, t_d = (time_fn(fn, dev, args.iters, 3)["median_ms"] for fn in (per_micro_batch, deferred))
+                rec["segments"] = {"S": S, "per_micro_batch_ms": t_p, "deferred_ms": t_d, "speedup": t_p / t_d,
+                                   "per_micro_batch_tflops": S * flop / t_p / 1e9,
+                                   "deferred_tflops": S * flop / t_d / 1e9}
+                log(f"{name} {gemm}: {S} micro-batches {t_p:.3f} ms, deferred {t_d:.3f} ms (x{t_p / t_d:.2f})")
+                del segs
             records.append(rec)
             del x, dy, main
     emit({"benchmark": "bench_grouped_wgrad", "env": env_info(dev), "records": records}, args.out)
