@@ -1,4 +1,5 @@
-"""The distributed optimizer, optimizer CPU offload and the precision-aware (bf16) optimizer state: N gloo ranks
+"""The distributed optimizer, optimizer CPU offload and the precision-aware (bf16) optimizer state (and the experts'
+deferred wgrad into its main grads): N gloo ranks
 through Trainer + MoEFoldStrategy against the 1-process reference (plain AdamW on whole fp32 tensors).
 
 Compared as in test_ep_parity.py: the loss of each of 3 steps, every gradient of step 1 (gathered from the ranks'
@@ -45,6 +46,9 @@ CASES = [
          strategy=dict(OFFLOAD, bucket_size_mb=0.01, overlap_param_gather=False)),
     Case("ep2_edp2_bf16_weights_offload", 4, ep=2, model=dict(dispatcher="alltoall", load_balancing="global_aux_loss"),
          accumulate=2, precision="bf16-true", tol=BF16_TOL, lr=1e-3, strategy=OFFLOAD),
+    # the experts' bf16 wgrad deferred to the step's last backward, into the reduce-scattered main grads
+    Case("ep2_edp2_bf16_defer_dist", 4, ep=2, model=dict(dispatcher="alltoall", load_balancing="global_aux_loss"),
+         accumulate=2, precision="bf16-true", tol=BF16_TOL, lr=1e-3, strategy=dict(DIST, defer_expert_wgrad=True)),
 ]
 CASES = runnable(CASES)
 
