@@ -173,6 +173,8 @@ class FP8Training(L.Callback):
                              + "; exclude them (exclude=[...]) or use the tensorwise or rowwise recipe")
         if self.defer_expert_wgrad:
             self._check_defer(trainer, [g for g in targets if g.grouped], device)
+        else:
+            self._check_strategy_defer(trainer, [g for g in targets if g.grouped], device)
         gathered = []
         self._amaxes = fp8_gather.WeightAmaxes() if sharded is not None else None
         # under CUDA graphs a cached weight would be captured as it was at the capture and replayed stale: the
@@ -282,6 +284,31 @@ class FP8Training(L.Callback):
                              "model, all excluded, or frozen); leave defer_expert_wgrad off")
         if n_bad:
             raise ValueError(why or "FP8Training(defer_expert_wgrad=True) cannot run on another rank (see its error)")
+
+    def _check_strategy_defer(self, trainer, grouped: list, device: torch.device) -> None:
+        """ValueError, on every rank, where ``MoEFoldStrategy(defer_expert_wgrad=...)`` is on but a trainable FP8
+        expert GEMM would not take it: it defers the bf16 wgrad of ``fp8_wgrad=False`` behind E4M3 gradients on the
+        FP8 kernels, not an FP8 wgrad (that is this callback's ``defer_expert_wgrad``)."""
+        sync = getattr(trainer.strategy, "_grad_sync", None)
+        if not getattr(sync, "expert_deferral", (False, None))[0]:  # a strategy option: the same on every rank
+            return
+        trained = [g for g in grouped if g.weight.requires_grad]
+        e5m2 = self.fp8_format == "hybrid" or (self.fp8_format is None and self.recipe in ("tensorwise", "delayed"))
+        why = None
+        if trained:
+            if self.fp8_wgrad:
+                why = "its wgrad is an FP8 GEMM (fp8_wgrad=True)"
+            elif e5m2:
+                why = "its E5M2 gradients run the emulated backward"
+            elif self.emulate or not all(grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in trained):
+                why = "it runs emulated, not on the FP8 kernels"
+        n_bad, = _sum_over_ranks(trainer, [why is not None], device)
+        if n_bad:
+            raise ValueError("MoEFoldStrategy(defer_expert_wgrad=...) does not reach the FP8 experts' wgrad"
+                             + (f" ({trained[0].name}: {why})" if why else " on another rank")
+                             + "; use FP8Training(defer_expert_wgrad=...) for the rowwise FP8 wgrad, or "
+                             "fp8_wgrad=False (E4M3 gradients, on an SM 9.0 GPU), or leave the strategy's "
+                             "defer_expert_wgrad off")
 
     def _param_gather_optimizer(self, trainer):
         """The distributed optimizer that gathers the weights; ValueError naming what is missing."""

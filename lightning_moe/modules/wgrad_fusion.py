@@ -135,7 +135,8 @@ def grouped_wgrad_segments_into(main_LKN: torch.Tensor, segments: list, first: b
     """``grouped_wgrad_into`` over several micro-batches' ``(x, dy, offs)``: one pass over the main grad on the
     kernel (``triton_grouped_wgrad.wgrad_segments_into``), one per segment on the reference."""
     tk = kernels.load("triton_grouped_wgrad", segments[0][0])
-    if tk is not None and len(segments) > 1:
+    # the interpreter copies each argument to the host on its own: offsets between CUDA tensors would not hold there
+    if tk is not None and len(segments) > 1 and not (kernels.interpreting() and segments[0][0].is_cuda):
         tk.wgrad_segments_into(main_LKN, segments, first)
         return
     for i, (x_MK, dy_MN, offs_L) in enumerate(segments):

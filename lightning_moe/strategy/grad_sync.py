@@ -23,6 +23,7 @@ afterwards each rank holds the reduced gradient of its own slice ``bucket.owned`
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -96,8 +97,10 @@ class GradSync:
         # hook is due to drop a placeholder without main_grad written
         self._deferred: dict[int, tuple] = {}
         self._holding: set[int] = set()
-        # MoEFoldStrategy(defer_expert_wgrad): (defer, window) for the experts' bf16 wgrad (wgrad_fusion.grouped_wgrad)
+        # MoEFoldStrategy(defer_expert_wgrad): (defer, window) for the experts' bf16 wgrad (wgrad_fusion.grouped_wgrad);
+        # whether anything was deferred yet, and whether the first step's check ran
         self.expert_deferral: tuple[bool, Optional[int]] = (False, None)
+        self._deferred_any, self._deferral_checked = False, False
         limit = bucket_mb * 2**20
         by_group: dict[str, list] = {"dp_cp": [], "tp_dp_cp": [], "edp": []}
         for p in reversed(self.params):  # roughly the order in which backward produces gradients
@@ -213,6 +216,7 @@ class GradSync:
         and leaves main_grad as it is. ``finish`` runs what is still held (a last backward that never reached p).
         ``window``: hold at most that many micro-batches; the backward that fills it runs them (bounding what is
         held, at one more pass over the main grad per window)."""
+        self._deferred_any = True
         helds = self._deferred.setdefault(id(p), (p, run, []))[2]
         helds.append(held)
         full = window is not None and len(helds) >= window
@@ -229,15 +233,32 @@ class GradSync:
 
     def _run_deferred(self) -> None:
         for p, run, helds in self._deferred.values():
-            run(p.main_grad, id(p) not in self._seen, helds)
+            run(p.main_grad, id(p) not in self._seen and id(p) not in self._fused, helds)
+            self._fused.discard(id(p))
             self._seen.add(id(p))
         self._deferred.clear()
+
+    def _check_deferral(self) -> None:
+        """After the first step: warn (once, on this rank) where ``expert_deferral`` is on and this rank's experts
+        deferred nothing: their GEMMs do not take it (an FP8 wgrad that FP8Training does not defer, E5M2 gradients,
+        DeepGEMM's blockwise experts, CUDA without triton), so the option did nothing here."""
+        if self._deferral_checked or not self.expert_deferral[0]:
+            return
+        self._deferral_checked = True
+        if not self._deferred_any and any(is_expert_param(p) for p in self.params):
+            warnings.warn("MoEFoldStrategy(defer_expert_wgrad=...): no expert weight gradient was deferred in the "
+                          "first step; this rank's expert GEMMs do not take it (it defers the bf16 expert wgrad: bf16 "
+                          "experts with triton on CUDA, or FP8 ones with fp8_wgrad=False), so it has no effect here",
+                          stacklevel=2)
 
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self.main_grads:
             if id(p) in self._holding:  # its wgrad waits for a later backward (defer_wgrad): p.grad is a placeholder
                 self._holding.discard(id(p))
+                if id(p) in self._fused:  # a full window ran in this backward before a later use was held
+                    self._fused.discard(id(p))
+                    self._seen.add(id(p))
                 p.grad = None
                 return
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
@@ -292,6 +313,7 @@ class GradSync:
         In main_grads mode the result is in ``p.main_grad`` for the params in ``had_main_grad``; ``p.grad`` stays
         None. Otherwise it is in ``p.grad`` (None for params that got no gradient on any rank's view)."""
         self._run_deferred()
+        self._check_deferral()
         for state in self.groups.values():
             self._launch_ready(state, force=True)
         for state in self.groups.values():

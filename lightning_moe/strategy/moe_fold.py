@@ -182,9 +182,12 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             that traffic bounds the wgrad (docs/PERFORMANCE.md). An int N >= 2 holds at most N micro-batches (one
             pass per window). Costs memory: the GEMMs' bf16 inputs and output gradients stay held until their window
             runs (2 bytes per routed token and feature of both expert GEMMs, per micro-batch). Float32 sums in another
-            order, not the same bits. Needs gradient-accumulation fusion (bf16 weights with fp32 main params, no
-            cuda_graphs); refused, naming why, where it is off. ``FP8Training(defer_expert_wgrad=...)`` sets the
-            FP8 experts' own.
+            order, not the same bits. Held inputs stay on the GPU until their window runs, so they also cancel what
+            ``ActivationOffload("expert_fc1")`` or ``Recompute(["moe_act"])`` would save on them. Needs
+            gradient-accumulation fusion (bf16 weights, no cuda_graphs); refused, naming why, where it is off.
+            ``FP8Training(defer_expert_wgrad=...)`` sets the FP8 experts' own (their FP8 wgrad); FP8Training refuses
+            this option where its experts' wgrad would not take it, and a rank whose experts deferred nothing in the
+            first step warns.
     """
 
     strategy_name = "moe_fold"

@@ -119,8 +119,8 @@ class OptimizerOptions:
         defer = self.defer_expert_wgrad
         if defer and not fuse_wgrad:
             raise ValueError(f"MoEFoldStrategy(defer_expert_wgrad={defer!r}) needs gradient-accumulation fusion (the "
-                             "experts' wgrad written into the fp32 main grads): bf16 weights with fp32 main params "
-                             "(precision='bf16-true'), gradient_accumulation_fusion not False, no cuda_graphs")
+                             "experts' wgrad written into the main grads): bf16 weights (precision='bf16-true'), "
+                             "gradient_accumulation_fusion not False, no cuda_graphs")
         return bool(defer), None if isinstance(defer, bool) else int(defer)
 
     def check_state_dtypes(self, bf16_main_params: bool) -> None:

@@ -114,7 +114,7 @@ def test_fp8_linear_tensor_parallel_matches_one_process(tp_results, recipe):
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("dtype,device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
+@pytest.mark.parametrize("dtype,device", [(torch.bfloat16, "cpu"),  # fp32 weights: autograd's gradient is fp32 already
                                           pytest.param(torch.bfloat16, "cuda", marks=[pytest.mark.gpu, _CUDA])])
 def test_unquantized_wgrad_into_main_grads(dtype, device):
     """``FP8Spec(fp8_wgrad=False)`` under GradSync's gradient-accumulation fusion: the wgrad's GEMM adds into the fp32
@@ -140,5 +140,5 @@ def test_unquantized_wgrad_into_main_grads(dtype, device):
     ref = 3 * dy.double().t() @ x.double()
     assert p.main_grad.dtype == torch.float32
     assert ((p.main_grad.double() - ref).norm() / ref.norm()).item() < 1e-6
-    if dtype == torch.bfloat16:  # the unfused gradient is rounded to bf16 before the hook adds it
-        assert ((dw0.double() * 1.5 - ref).norm() / ref.norm()).item() > 1e-4
+    # the unfused gradient is rounded to bf16 before the hook adds it
+    assert ((dw0.double() * 1.5 - ref).norm() / ref.norm()).item() > 1e-4

@@ -104,6 +104,23 @@ def test_a_window_runs_each_full_one_and_the_rest_at_the_armed_backward():
         runs.clear()
 
 
+def test_a_weight_used_twice_whose_window_fills_between_its_uses():
+    """A weight used twice in each backward, ``window=3``, and a last backward that never reaches it: the second
+    backward's first use fills the window (written), its second use is held; ``finish`` must then add what is held,
+    not overwrite the window's sum."""
+    w, sync, runs = _setup()
+    batches = _micro(4, seed=5)
+    for i in range(2):
+        (x1, dy1), (x2, dy2) = batches[2 * i], batches[2 * i + 1]
+        (_Deferred.apply(x1, w, sync, runs, 3) * dy1).sum().add((_Deferred.apply(x2, w, sync, runs, 3) * dy2).sum()
+                                                                ).backward()
+    sync.arm()  # a last backward that does not use w
+    assert runs == [(True, 3)] and len(sync.held(w)) == 1
+    sync.finish()
+    assert runs == [(True, 3), (False, 1)]
+    torch.testing.assert_close(w.main_grad, _want(batches))
+
+
 def test_a_window_under_a_pipeline_schedule_and_at_finish():
     """``window=2`` inside a pipeline schedule's armed step (every backward armed, only the one ``expect_final`` names
     final): full windows run as they fill, the rest at the final backward; and what a window leaves held when no
@@ -277,3 +294,46 @@ def test_held_operands_go_side_by_side_into_the_arenas():
     assert whole.data_ptr() == spec.wgrad_arena[0].data_ptr() and torch.equal(whole[:, P:2 * P], torch.ones(K, P))
     assert _side_by_side([torch.zeros(K, P), torch.zeros(K, P)]) is None
     assert _side_by_side([helds[1][0][0], helds[0][0][0]]) is None  # out of order
+
+
+def test_strategy_deferral_refused_where_the_fp8_experts_would_not_take_it(monkeypatch):
+    """``MoEFoldStrategy(defer_expert_wgrad=...)`` defers the bf16 wgrad (bf16 experts, or FP8 ones with
+    ``fp8_wgrad=False`` on the kernels): with FP8 experts whose wgrad is an FP8 GEMM, E5M2 or emulated, it would do
+    nothing, so FP8Training refuses it, naming why; where they take it (or the callback defers), it starts."""
+    def trainer(defer):
+        sync = SimpleNamespace(expert_deferral=(defer, None))
+        return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), _grad_sync=sync))
+
+    for kwargs, why in ((dict(recipe="rowwise"), r"fp8_wgrad=True"),
+                        (dict(recipe="tensorwise", fp8_wgrad=False), "E5M2"),
+                        (dict(recipe="rowwise", fp8_wgrad=False), "runs emulated")):  # the CPU: emulated
+        with pytest.raises(ValueError, match=r"MoEFoldStrategy\(defer_expert_wgrad=\.\.\.\) does not reach .*" + why):
+            FP8Training(**kwargs).on_fit_start(trainer(True), _lm())
+    FP8Training("rowwise").on_fit_start(trainer(False), _lm())  # off: nothing to check
+    monkeypatch.setattr(fp8_training.grouped_kernels, "eligible", lambda *a: True)
+    FP8Training("rowwise", fp8_wgrad=False).on_fit_start(trainer(True), _lm())  # on the kernels: it takes it
+
+
+def test_a_deferral_that_deferred_nothing_warns_once():
+    """``expert_deferral`` on, but the first step's expert GEMMs never called ``defer_wgrad``: one warning that the
+    option had no effect; none where something was deferred, nor on a rank without experts."""
+    import warnings
+    for deferred, expert in ((False, True), (True, True), (False, False)):
+        w, sync, runs = _setup()
+        w.is_expert = expert
+        sync.expert_deferral = (True, None)
+        x, dy = _micro(1)[0]
+        sync.arm()
+        if deferred:
+            _backward(w, sync, runs, x, dy)
+        else:
+            (x @ w).backward(dy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sync.finish()
+            sync.discard()
+            sync.arm()
+            (x @ w).backward(dy)
+            sync.finish()  # the check runs once
+        msgs = [str(c.message) for c in caught if "defer_expert_wgrad" in str(c.message)]
+        assert len(msgs) == (not deferred and expert), (deferred, expert, msgs)

@@ -93,7 +93,7 @@ def test_zero_grad_discards_accumulated_main_grads():
     del opt
 
 
-def _fit(tmp_path, max_steps, ckpt_path=None, callbacks=(), lr=1e-2, **strategy_kw):
+def _fit(tmp_path, max_steps, ckpt_path=None, callbacks=(), lr=1e-2, accumulate=2, **strategy_kw):
     from tests.parallel.parity import make_tokens
     tokens = make_tokens(str(tmp_path / "tokens.bin"))
     model = MoELanguageModel(preset="tiny", overrides=dict(seq_length=32, num_layers=2, hidden_size=32,
@@ -101,7 +101,7 @@ def _fit(tmp_path, max_steps, ckpt_path=None, callbacks=(), lr=1e-2, **strategy_
                                                            moe_ffn_hidden_size=32, num_experts=4, topk=2),
                              lr=lr, warmup_steps=1, max_steps=8, log_expert_load=False)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MoEFoldStrategy(**strategy_kw), precision="bf16-true",
-                        max_steps=max_steps, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False,
+                        max_steps=max_steps, accumulate_grad_batches=accumulate, gradient_clip_val=1.0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=list(callbacks))

@@ -286,9 +286,10 @@ def test_defer_expert_wgrad_options():
 
 @pytest.mark.parametrize("defer", [True, 2])
 def test_trainer_defers_the_experts_bf16_wgrad_and_trains_alike(tmp_path, defer):
-    """``MoEFoldStrategy(defer_expert_wgrad=...)``: the experts' wgrad of the step's first micro-batch is held (and
-    nothing else), run with the second's; on the CPU's reference (one pass per segment, in order) the training is
-    the undeferred one's, bit for bit. A window of 2 here is the whole step (2 micro-batches)."""
+    """``MoEFoldStrategy(defer_expert_wgrad=...)`` over 4 micro-batches per step: each expert weight's operands held
+    from micro-batch to micro-batch until the step's last (True), or run at every second one (a window of 2); nothing
+    else held. On the CPU's reference (one pass per segment, in order) the training is the undeferred one's, bit for
+    bit."""
     import lightning as L
 
     from lightning_moe.modules.experts import GroupedExperts
@@ -298,18 +299,18 @@ def test_trainer_defers_the_experts_bf16_wgrad_and_trains_alike(tmp_path, defer)
     class Held(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             sync = trainer.strategy._grad_sync
-            ws = [p for n, p in pl_module.named_parameters()]
-            held.append((batch_idx, sum(len(sync.held(p)) for p in ws), sync.expert_deferral))
+            held.append((batch_idx, sum(len(sync.held(p)) for p in pl_module.parameters()), sync.expert_deferral))
 
     losses = {}
     for name, kw in (("plain", {}), ("defer", dict(defer_expert_wgrad=defer))):
-        trainer, model = _fit(tmp_path / name, 3, callbacks=[_Losses(losses.setdefault(name, []), set()),
-                                                             *([Held()] if name == "defer" else [])], **kw)
-    experts = [w for m in model.modules() if isinstance(m, GroupedExperts) for w in (m.w13, m.w2)]
-    # the first micro-batch of each step holds each expert weight's operands; the second runs them
+        trainer, model = _fit(tmp_path / name, 2, accumulate=4,
+                              callbacks=[_Losses(losses.setdefault(name, []), set()),
+                                         *([Held()] if name == "defer" else [])], **kw)
+    n = len([w for m in model.modules() if isinstance(m, GroupedExperts) for w in (m.w13, m.w2)])
     want = (True, None if defer is True else 2)
-    assert held == [(i, len(experts) if i % 2 == 0 else 0, want) for i in range(6)]
-    assert len(losses["defer"]) == 6 and losses["defer"] == losses["plain"]
+    per_step = [n, 2 * n, 3 * n, 0] if defer is True else [n, 0, n, 0]
+    assert held == [(i, per_step[i % 4], want) for i in range(8)]
+    assert len(losses["defer"]) == 8 and losses["defer"] == losses["plain"]
 
 
 def test_strategy_refuses_deferral_without_fusion(tmp_path):
