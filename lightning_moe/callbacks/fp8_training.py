@@ -132,7 +132,7 @@ class FP8Training(L.Callback):
                              "DeepGEMM already runs on bf16 tensor cores (from its 128-token tiles); use "
                              "fp8_wgrad=False with the tensorwise, delayed or rowwise recipe, or leave it on")
         window = _defer_window(defer_expert_wgrad)
-        e5m2 = fp8_format == "hybrid" or (fp8_format is None and recipe in ("tensorwise", "delayed"))
+        e5m2 = FP8Spec(recipe, fp8_format=fp8_format).formats()[1] == "e5m2"  # gradients: emulated backward
         if defer_expert_wgrad and (recipe != "rowwise" if fp8_wgrad else e5m2):
             raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_wgrad={fp8_wgrad}, fp8_format={fp8_format!r}, "
                              "defer_expert_wgrad=True): only the rowwise recipe's FP8 expert wgrad (Triton) or, with "
@@ -260,7 +260,7 @@ class FP8Training(L.Callback):
         trained = [g for g in grouped if g.weight.requires_grad]
         why = None
         if trained and not self.fp8_wgrad:  # the bf16 wgrad: the experts' GEMMs on the FP8 kernels, not emulated
-            if self.emulate or not all(grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in trained):
+            if not self._on_kernels(trained, device):
                 why = ("FP8Training(fp8_wgrad=False, defer_expert_wgrad=True) needs the experts' FP8 kernels (an SM "
                        "9.0 GPU, expert GEMM dims that are multiples of 16, no emulation; here: "
                        f"{device.type}, emulate={self.emulate}, dims {sorted({(g.K, g.N) for g in trained})}); leave "
@@ -285,6 +285,10 @@ class FP8Training(L.Callback):
         if n_bad:
             raise ValueError(why or "FP8Training(defer_expert_wgrad=True) cannot run on another rank (see its error)")
 
+    def _on_kernels(self, grouped: list, device: torch.device) -> bool:
+        """Whether every one of these FP8 expert GEMMs runs on the kernels (``fp8_grouped_kernels``), not emulated."""
+        return not self.emulate and all(grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in grouped)
+
     def _check_strategy_defer(self, trainer, grouped: list, device: torch.device) -> None:
         """ValueError, on every rank, where ``MoEFoldStrategy(defer_expert_wgrad=...)`` is on but a trainable FP8
         expert GEMM would not take it: it defers the bf16 wgrad of ``fp8_wgrad=False`` behind E4M3 gradients on the
@@ -293,14 +297,13 @@ class FP8Training(L.Callback):
         if not getattr(sync, "expert_deferral", (False, None))[0]:  # a strategy option: the same on every rank
             return
         trained = [g for g in grouped if g.weight.requires_grad]
-        e5m2 = self.fp8_format == "hybrid" or (self.fp8_format is None and self.recipe in ("tensorwise", "delayed"))
         why = None
         if trained:
             if self.fp8_wgrad:
                 why = "its wgrad is an FP8 GEMM (fp8_wgrad=True)"
-            elif e5m2:
+            elif FP8Spec(self.recipe, fp8_format=self.fp8_format).formats()[1] == "e5m2":
                 why = "its E5M2 gradients run the emulated backward"
-            elif self.emulate or not all(grouped_kernels.eligible(self.recipe, g.K, g.N, device) for g in trained):
+            elif not self._on_kernels(trained, device):
                 why = "it runs emulated, not on the FP8 kernels"
         n_bad, = _sum_over_ranks(trainer, [why is not None], device)
         if n_bad:
