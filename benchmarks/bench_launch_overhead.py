@@ -4,10 +4,13 @@ the host: what a GEMM's Python and launch path costs, whatever the GEMM's size. 
   torch           ``torch.mm``, ``F.grouped_mm`` (the bf16 step's GEMMs)
   triton          ``triton_grouped_wgrad.wgrad_into``, ``triton_fp8_quant.rowwise_quant``, ``triton_expert_rows``
   fp8 GEMMs       ``triton_fp8_grouped_mm.grouped_mm`` (fast), ``gluon_fp8_grouped_ws.grouped_mm``, ``torch._scaled_mm``
-  a whole call    ``fp8_grouped_mm``'s forward (``profile_fp8_host.py`` times forward + backward with the main grads)
+  whole calls     ``fp8_grouped_mm`` and ``fp8_linear``, forward alone and forward + backward (``profile_fp8_host.py``
+                  times them with the main grads)
 
-Prints JSON: the median over ``--repeats`` of the mean host µs per call over ``--calls`` calls (the GPU synchronized
-before and after each batch).
+Each case is timed through ``triton_launch.launch`` (the compiled kernels' launchers) and through triton's
+``kernel[grid]`` (``triton_launch.ENABLED = False``, what ``LMOE_TRITON_LAUNCH=0`` sets), alternating in one process,
+so that the host's drift falls on both. Prints JSON: for each, the median over ``--repeats`` of the mean host µs per
+call over ``--calls`` calls (the GPU synchronized before and after each batch).
 
     python benchmarks/bench_launch_overhead.py --calls 400
 """
@@ -24,18 +27,25 @@ import torch.nn.functional as F
 from common import emit, env_info, log
 
 
-def host_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)  # the host's issue time: the GPU is behind
-        torch.cuda.synchronize()
-    return round(statistics.median(out), 1)
+def host_us(fn, calls: int, repeats: int) -> dict:
+    """{"launch": µs, "kernel[grid]": µs}, alternating between the two."""
+    from lightning_moe.modules import triton_launch
+    out = {True: [], False: []}
+    try:
+        for r in range(repeats):
+            for enabled in (True, False) if r % 2 == 0 else (False, True):
+                triton_launch.ENABLED = enabled
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                out[enabled].append((time.perf_counter() - t0) / calls * 1e6)  # the host's issue time
+                torch.cuda.synchronize()
+    finally:
+        triton_launch.ENABLED = True
+    return {"launch": round(statistics.median(out[True]), 1), "kernel[grid]": round(statistics.median(out[False]), 1)}
 
 
 def main() -> None:
@@ -47,7 +57,7 @@ def main() -> None:
     from lightning_moe.modules import gluon_fp8_grouped_ws as ws
     from lightning_moe.modules import triton_expert_rows, triton_fp8_grouped_mm, triton_fp8_quant
     from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
-    from lightning_moe.modules.fp8_linear import FP8Spec
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
     from lightning_moe.modules.triton_grouped_wgrad import wgrad_into
     dev = torch.device("cuda")
     L, K, N, M = 8, 256, 256, 1024
@@ -62,6 +72,7 @@ def main() -> None:
     one = torch.ones(1, device=dev)
     spec = FP8Spec("rowwise", step=0, fp8_wgrad=False, fast_accum="all")
     wp = torch.nn.Parameter(w.clone())
+    wd = torch.nn.Parameter(w[0].t().contiguous())
     cases = {
         "torch.mm": lambda: torch.mm(x, w[0]),
         "F.grouped_mm": lambda: F.grouped_mm(x, w, offs=offs),
@@ -73,6 +84,10 @@ def main() -> None:
         "gluon ws grouped_mm": lambda: ws.grouped_mm(xq, wq, xs.reshape(M), ws_LN, offs),
         "torch._scaled_mm": lambda: torch._scaled_mm(a2, b2.t(), one, one, out_dtype=torch.bfloat16),
         "fp8_grouped_mm forward (no grad)": lambda: _no_grad(fp8_grouped_mm, x, wp, offs, spec),
+        "fp8_linear forward (no grad)": lambda: _no_grad(fp8_linear, x, wd, spec),
+        "fp8_grouped_mm forward + backward": lambda: fp8_grouped_mm(x.detach().requires_grad_(), wp, offs,
+                                                                    spec).backward(dy),
+        "fp8_linear forward + backward": lambda: fp8_linear(x.detach().requires_grad_(), wd, spec).backward(dy),
     }
     rec = {"shapes": {"L": L, "K": K, "N": N, "M": M}, "host_us_per_call": {}}
     for name, fn in cases.items():

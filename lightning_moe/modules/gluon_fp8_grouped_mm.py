@@ -31,6 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from lightning_moe.modules.gluon_fp8_grouped_ws import _tile
 from lightning_moe.modules.gluon_fp8_wgrad import shared_layout
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
+from lightning_moe.modules.triton_launch import launch
 
 BLOCK_K = 128  # the promotion interval, and the TMA block along K
 CONFIG = (128, 128, 8, 4)  # (BLOCK_M, BLOCK_N, warps, stages): two warpgroups of 64 rows each, 208 registers
@@ -120,8 +121,7 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
     da = TensorDescriptor.from_tensor(a_MK.contiguous(), [bm, BLOCK_K], la)
     db = TensorDescriptor.from_tensor(b_LNK.contiguous().view(L * N, K), [bn, BLOCK_K], lb)
     tiles = triton.cdiv(M, bm) + L  # a static bound of the experts' row tiles
-    _kernel[(tiles * triton.cdiv(N, bn),)](
-        da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), out, offs_L.to(torch.int32).contiguous(),
-        N, K, L, tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=max(16, triton.next_power_of_2(L)), GROUP_M=8,
-        STAGES=stages, num_warps=warps)
+    launch(_kernel, (tiles * triton.cdiv(N, bn),), da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), out,
+           offs_L.to(torch.int32).contiguous(), N, K, L, tiles, BLOCK_M=bm, BLOCK_N=bn,
+           BLOCK_L=max(16, triton.next_power_of_2(L)), GROUP_M=8, STAGES=stages, num_warps=warps)
     return out

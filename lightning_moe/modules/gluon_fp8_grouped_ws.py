@@ -25,6 +25,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from lightning_moe.modules.gluon_fp8_wgrad import (MAXNREG, WORKER_REGS, _buffers, _mainloop, _store_tile,
                                                    shared_layout, sm_count)
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
+from lightning_moe.modules.triton_launch import launch
 
 BLOCK_K = 128
 # (BLOCK_M, BLOCK_N, warps, stages[, consumers[, shift]]): one consumer of 128 x 256 tiles at coarse experts; at up to
@@ -198,9 +199,9 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
     tiles = triton.cdiv(M, bm) + L  # a static bound of the experts' row tiles
     if programs is None:
         programs = sm_count(torch.cuda._get_device_index(a_MK.device, optional=True))
-    _kernel[(min(programs, tiles * triton.cdiv(N, bn)),)](
-        da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), dc, out, offs_L.to(torch.int32).contiguous(),
-        N, K, L, tiles, BLOCK_M=bm, BLOCK_N=bn, BLOCK_L=max(32, triton.next_power_of_2(L)), GROUP_M=8,
-        STAGES=stages, CONSUMERS=rest[0] if rest else 1, WORKER_REGS=WORKER_REGS,
-        SHIFT=rest[1] if len(rest) > 1 else 0, num_warps=warps, maxnreg=MAXNREG)
+    launch(_kernel, (min(programs, tiles * triton.cdiv(N, bn)),), da, sa_M.float().contiguous(), db,
+           sb_LN.float().contiguous(), dc, out, offs_L.to(torch.int32).contiguous(), N, K, L, tiles, BLOCK_M=bm,
+           BLOCK_N=bn, BLOCK_L=max(32, triton.next_power_of_2(L)), GROUP_M=8, STAGES=stages,
+           CONSUMERS=rest[0] if rest else 1, WORKER_REGS=WORKER_REGS, SHIFT=rest[1] if len(rest) > 1 else 0,
+           num_warps=warps, maxnreg=MAXNREG)
     return out

@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from lightning_moe.modules.triton_launch import launch
 
 T = 128  # tokens per block (the wgrad layout's alignment)
 # (BLOCK_K, BLOCK_N, warps, stages[, consumers]): one consumer of two warpgroups on 128 x 256 tiles (64 accumulator rows
@@ -265,7 +266,6 @@ def wgrad(out_LKN: torch.Tensor, aT: torch.Tensor, sa: torch.Tensor, bT: torch.T
     tiles = L * triton.cdiv(K, bk) * triton.cdiv(N, bn)
     if programs is None:
         programs = sm_count(torch.cuda._get_device_index(out_LKN.device, optional=True))
-    _kernel[(min(programs, tiles),)](da, sa.float().contiguous(), db, sb.float().contiguous(), dc,
-                                     offs_L.to(torch.int32).contiguous(), K, N, L, BLOCK_K=bk, BLOCK_N=bn, GROUP_K=8,
-                                     STAGES=stages, CONSUMERS=consumers, WORKER_REGS=WORKER_REGS, num_warps=warps,
-                                     maxnreg=MAXNREG)
+    launch(_kernel, (min(programs, tiles),), da, sa.float().contiguous(), db, sb.float().contiguous(), dc,
+           offs_L.to(torch.int32).contiguous(), K, N, L, BLOCK_K=bk, BLOCK_N=bn, GROUP_K=8, STAGES=stages,
+           CONSUMERS=consumers, WORKER_REGS=WORKER_REGS, num_warps=warps, maxnreg=MAXNREG)

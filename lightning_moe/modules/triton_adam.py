@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 BLOCK = 2048
 
@@ -73,8 +74,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     if not read_step:  # torch's foreach path computes these on the host from its CPU step count the same way
         s = float(step)
         bc1, bc2_sqrt = 1.0 - beta1 ** s, math.sqrt(1.0 - beta2 ** s)
-    _adam_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, low if low is not None else param, step if read_step else param, n,
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), math.log(beta1), math.log(beta2), bc1,
-        bc2_sqrt, DECAY=weight_decay != 0, DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize), READ_STEP=read_step,
-        WRITE_LOW=low is not None, BLOCK=BLOCK, num_warps=8)
+    launch(_adam_kernel, (triton.cdiv(n, BLOCK),), param, grad, exp_avg, exp_avg_sq, low if low is not None else param,
+           step if read_step else param, n, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+           math.log(beta1), math.log(beta2), bc1, bc2_sqrt, DECAY=weight_decay != 0, DECOUPLED=bool(decoupled),
+           MAXIMIZE=bool(maximize), READ_STEP=read_step, WRITE_LOW=low is not None, BLOCK=BLOCK, num_warps=8)

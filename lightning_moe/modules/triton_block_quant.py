@@ -22,6 +22,7 @@ import triton.language as tl
 
 from lightning_moe.modules.fp8 import FORMATS
 from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat
+from lightning_moe.modules.triton_launch import launch
 
 BLOCK = 4096
 TR, TC = 32, 128  # a tile of whole rows: inside one block where w is C or a multiple of TC and TR divides h
@@ -85,23 +86,23 @@ def rows_amax(x: torch.Tensor, amax_G: torch.Tensor, r0: int, C: int, h: int, w:
     values non-negative)."""
     nr = x.numel() // C
     if nr:
-        _rows_amax_kernel[_rows_grid(nr, C)](x, amax_G.view(torch.int32), nr, C, r0, h, w, C // w, TR=TR, TC=TC,
-                                             num_warps=WARPS)
+        launch(_rows_amax_kernel, _rows_grid(nr, C), x, amax_G.view(torch.int32), nr, C, r0, h, w, C // w, TR=TR, TC=TC,
+               num_warps=WARPS)
 
 
 def rows_quantize(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, r0: int, C: int, h: int, w: int) -> None:
     nr = x.numel() // C
     if nr:
-        _rows_quant_kernel[_rows_grid(nr, C)](x, s_G, q, nr, C, r0, h, w, C // w, FMAX=FORMATS["e4m3"][1], TR=TR,
-                                              TC=TC, num_warps=WARPS, enable_fp_fusion=False)
+        launch(_rows_quant_kernel, _rows_grid(nr, C), x, s_G, q, nr, C, r0, h, w, C // w, FMAX=FORMATS["e4m3"][1],
+               TR=TR, TC=TC, num_warps=WARPS, enable_fp_fusion=False)
 
 
 def rows_dequantize(out: torch.Tensor, q: torch.Tensor, table: torch.Tensor, r0: int, C: int, h: int, w: int
                     ) -> None:
     nr = q.numel() // C
     if nr:
-        _rows_dequant_kernel[_rows_grid(nr, C)](q.view(torch.uint8), table, out, nr, C, r0, h, w, C // w, TR=TR,
-                                                TC=TC, num_warps=WARPS)
+        launch(_rows_dequant_kernel, _rows_grid(nr, C), q.view(torch.uint8), table, out, nr, C, r0, h, w, C // w, TR=TR,
+               TC=TC, num_warps=WARPS)
 
 
 @triton.jit
@@ -144,8 +145,8 @@ def quantize_slice(q: torch.Tensor, x: torch.Tensor, s_G: torch.Tensor, lo: int,
     the fp32 block scales ``s_G`` (R / h, C / w)."""
     n = x.numel()
     if n:
-        _quant_kernel[_grid(n)](x, s_G.contiguous(), q.view(torch.uint8).view(FORMATS["e4m3"][0]), n, lo, C, h, w,
-                                C // w, FMAX=FORMATS["e4m3"][1], BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
+        launch(_quant_kernel, _grid(n), x, s_G.contiguous(), q.view(torch.uint8).view(FORMATS["e4m3"][0]), n, lo, C, h,
+               w, C // w, FMAX=FORMATS["e4m3"][1], BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
 
 
 def dequantize_slice(out: torch.Tensor, q: torch.Tensor, table: torch.Tensor, lo: int, C: int, h: int, w: int
@@ -154,5 +155,5 @@ def dequantize_slice(out: torch.Tensor, q: torch.Tensor, table: torch.Tensor, lo
     blocks' ``dequant_table`` (in out's dtype)."""
     n = q.numel()
     if n:
-        _dequant_kernel[_grid(n)](q.view(torch.uint8), table, out, n, lo, C, h, w, C // w, BLOCK=BLOCK,
-                                  num_warps=8)
+        launch(_dequant_kernel, _grid(n), q.view(torch.uint8), table, out, n, lo, C, h, w, C // w, BLOCK=BLOCK,
+               num_warps=8)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -73,8 +74,8 @@ def partials(logits_NV: torch.Tensor, target_N: torch.Tensor, vocab_start: int,
         logits_NV = logits_NV.contiguous()
     max_N, sum_N, tgt_N = (torch.empty(N, device=logits_NV.device, dtype=torch.float32) for _ in range(3))
     if N:
-        _fwd_kernel[(N,)](logits_NV, logits_NV.stride(0), target_N.contiguous(), max_N, sum_N, tgt_N, V, vocab_start,
-                          ignore_index, BLOCK_V=_block(V), num_warps=8)
+        launch(_fwd_kernel, (N,), logits_NV, logits_NV.stride(0), target_N.contiguous(), max_N, sum_N, tgt_N, V,
+               vocab_start, ignore_index, BLOCK_V=_block(V), num_warps=8)
     return max_N, sum_N, tgt_N
 
 
@@ -86,6 +87,6 @@ def grad(logits_NV: torch.Tensor, target_N: torch.Tensor, lse_N: torch.Tensor, s
         logits_NV = logits_NV.contiguous()
     g = torch.empty(N, V, device=logits_NV.device, dtype=logits_NV.dtype)
     if N:
-        _bwd_kernel[(N,)](logits_NV, logits_NV.stride(0), g, target_N.contiguous(), lse_N.contiguous(),
-                          scale_N.contiguous(), V, vocab_start, BLOCK_V=_block(V), num_warps=8)
+        launch(_bwd_kernel, (N,), logits_NV, logits_NV.stride(0), g, target_N.contiguous(), lse_N.contiguous(),
+               scale_N.contiguous(), V, vocab_start, BLOCK_V=_block(V), num_warps=8)
     return g

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -120,15 +121,15 @@ def rank_copies(keys_N: torch.Tensor, E: int, div: int, stride: int, align: int,
     sub = _sub(E_PAD)
     hist = torch.empty(nb, E + 1, device=dev, dtype=torch.int32)
     keys_N = keys_N.contiguous()
-    _histogram_kernel[(nb,)](keys_N, hist, N, E + 1, BLOCK_N=BLOCK_N, SUB=sub, E_PAD=E_PAD, num_warps=4)
+    launch(_histogram_kernel, (nb,), keys_N, hist, N, E + 1, BLOCK_N=BLOCK_N, SUB=sub, E_PAD=E_PAD, num_warps=4)
     rows = torch.empty(N, device=dev, dtype=torch.int64)
     # every row is written only when the layout has no holes
     src = torch.empty(R, device=dev, dtype=torch.int64) if fill is None else \
         torch.full((R,), fill, device=dev, dtype=torch.int64)
     counts = torch.empty(E, device=dev, dtype=torch.int64)
     sizes = torch.empty(E, device=dev, dtype=torch.int64) if align > 1 else counts
-    _rank_kernel[(nb,)](keys_N, hist, rows, src, counts, sizes, N, E, nb, div, stride, HAS_STRIDE=stride > 0,
-                        ALIGN=align, BLOCK_N=BLOCK_N, SUB=sub, CH=16, E_PAD=E_PAD, num_warps=4)
+    launch(_rank_kernel, (nb,), keys_N, hist, rows, src, counts, sizes, N, E, nb, div, stride, HAS_STRIDE=stride > 0,
+           ALIGN=align, BLOCK_N=BLOCK_N, SUB=sub, CH=16, E_PAD=E_PAD, num_warps=4)
     return rows, src, counts, sizes
 
 
@@ -140,8 +141,8 @@ def resort_dest(counts_SL: torch.Tensor, M: int, align: int):
     sizes = torch.empty(L, device=dev, dtype=torch.int64)
     S_PAD, L_PAD = triton.next_power_of_2(S), triton.next_power_of_2(L)
     block_m = max(1, min(64, 4096 // (S_PAD * L_PAD)))
-    _resort_kernel[(max(1, triton.cdiv(M, block_m)),)](counts_SL.contiguous(), dest, sizes, M, S, L, ALIGN=align,
-                                                       BLOCK_M=block_m, S_PAD=S_PAD, L_PAD=L_PAD, num_warps=4)
+    launch(_resort_kernel, (max(1, triton.cdiv(M, block_m)),), counts_SL.contiguous(), dest, sizes, M, S, L,
+           ALIGN=align, BLOCK_M=block_m, S_PAD=S_PAD, L_PAD=L_PAD, num_warps=4)
     return dest, sizes
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from lightning_moe.modules.expert_padding import padded_length
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -49,7 +50,7 @@ def rows_layout(offs_L: torch.Tensor, M: int, align: int = 0):
     BLOCK_L = max(16, triton.next_power_of_2(L))
     BLOCK_R = max(16, 8192 // BLOCK_L)
     rows = max(M, P or 0, 1)
-    _rows_layout_kernel[(triton.cdiv(rows, BLOCK_R),)](
-        offs_L, gid_M, pends_L if align else gid_M, gid_P if align else gid_M, M, P or 0, L, align or 1,
-        PADDED=bool(align), BLOCK_R=BLOCK_R, BLOCK_L=BLOCK_L, num_warps=4)
+    launch(_rows_layout_kernel, (triton.cdiv(rows, BLOCK_R),), offs_L, gid_M, pends_L if align else gid_M,
+           gid_P if align else gid_M, M, P or 0, L, align or 1, PADDED=bool(align), BLOCK_R=BLOCK_R, BLOCK_L=BLOCK_L,
+           num_warps=4)
     return gid_M, pends_L, P, gid_P

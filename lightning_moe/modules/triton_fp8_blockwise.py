@@ -24,6 +24,7 @@ import triton.language as tl
 from lightning_moe.modules.fp8 import _TINY, BLOCK, FORMATS
 from lightning_moe.modules.kernels import interpreting
 from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat, _scale
+from lightning_moe.modules.triton_launch import launch
 
 ROWS = 32  # rows of a 128 x 128 tile in registers at a time
 
@@ -118,12 +119,10 @@ def tiles(x_MK: torch.Tensor, src_P: Optional[torch.Tensor], end: torch.Tensor, 
     elif wgrad:
         w = torch.empty(P, K, device=x_MK.device, dtype=torch.bfloat16)
     if P:
-        _tiles_kernel[(P // BLOCK, K // BLOCK)](x_MK, src_P if src_P is not None else end, end, q, sf,
-                                                w if wgrad else q, sc if sc is not None else sf, P, M, K, FMAX=fmax,
-                                                TINY=_TINY, WGRAD=wgrad, WGRAD_FP8=sc is not None,
-                                                SRC=src_P is not None, HW=not interpreting(), T=BLOCK, R=ROWS,
-                                                num_warps=4,
-                                                enable_fp_fusion=False)
+        launch(_tiles_kernel, (P // BLOCK, K // BLOCK), x_MK, src_P if src_P is not None else end, end, q, sf,
+               w if wgrad else q, sc if sc is not None else sf, P, M, K, FMAX=fmax, TINY=_TINY, WGRAD=wgrad,
+               WGRAD_FP8=sc is not None, SRC=src_P is not None, HW=not interpreting(), T=BLOCK, R=ROWS, num_warps=4,
+               enable_fp_fusion=False)
     return q, sf, (w, sc) if sc is not None else w
 
 
@@ -169,8 +168,6 @@ def weight_blocks(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.Tensor] = 
     preset = amax is not None
     amax = amax.float().contiguous() if preset else sf
     if L:
-        _weights_kernel[(L, K // BLOCK, N // BLOCK)](w_LKN, amax, q, qt, sf, K, N, FMAX=fmax, TINY=_TINY,
-                                                     PRESET=preset, HW=not interpreting(), T=BLOCK, R=ROWS,
-                                                     num_warps=4,
-                                                     enable_fp_fusion=False)
+        launch(_weights_kernel, (L, K // BLOCK, N // BLOCK), w_LKN, amax, q, qt, sf, K, N, FMAX=fmax, TINY=_TINY,
+               PRESET=preset, HW=not interpreting(), T=BLOCK, R=ROWS, num_warps=4, enable_fp_fusion=False)
     return q, qt, sf

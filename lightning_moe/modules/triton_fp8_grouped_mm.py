@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
+from lightning_moe.modules.triton_launch import launch
 
 BLOCK_K = 128  # the promotion interval of the precise accumulation, and the TMA block along K
 
@@ -107,8 +108,8 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
     da = TensorDescriptor.from_tensor(a_MK.contiguous(), [bm, BLOCK_K])
     db = TensorDescriptor.from_tensor(b_LNK.contiguous().view(L * N, K), [bn, BLOCK_K])
     tiles = triton.cdiv(M, bm) + L  # a static bound of the experts' tiles
-    _fp8_grouped_mm_kernel[(tiles * triton.cdiv(N, bn),)](
-        da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), out, offs_L.to(torch.int32).contiguous(),
-        N, K, L, tiles, FAST=fast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-        BLOCK_L=max(16, triton.next_power_of_2(L)), GROUP_M=8, STAGES=stages, num_warps=warps)
+    launch(_fp8_grouped_mm_kernel, (tiles * triton.cdiv(N, bn),), da, sa_M.float().contiguous(), db,
+           sb_LN.float().contiguous(), out, offs_L.to(torch.int32).contiguous(), N, K, L, tiles, FAST=fast, BLOCK_M=bm,
+           BLOCK_N=bn, BLOCK_K=BLOCK_K, BLOCK_L=max(16, triton.next_power_of_2(L)), GROUP_M=8, STAGES=stages,
+           num_warps=warps)
     return out

@@ -29,6 +29,7 @@ import triton.language as tl
 from lightning_moe.modules.fp8 import _TINY, FORMATS, scale_of
 from lightning_moe.modules.kernels import interpreting
 from lightning_moe.modules.triton_swiglu import swiglu_grad_math, swiglu_math
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -338,10 +339,9 @@ def rowwise_quant(x_MK: torch.Tensor, fmt: str = "e4m3", inverse: bool = False) 
     one = K <= 8192
     BLOCK_K = triton.next_power_of_2(K) if one else 4096
     BLOCK_M = max(1, 8192 // BLOCK_K)
-    if M:
-        _rowwise_kernel[(triton.cdiv(M, BLOCK_M),)](x_MK, q, s, M, K, FMAX=fmax, TINY=_TINY, ONE_PASS=one,
-                                                   BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, INV=inverse, num_warps=8,
-                                                   enable_fp_fusion=False)  # no FMA: torch's roundings
+    if M:  # no FMA (enable_fp_fusion=False): torch's roundings
+        launch(_rowwise_kernel, (triton.cdiv(M, BLOCK_M),), x_MK, q, s, M, K, FMAX=fmax, TINY=_TINY, ONE_PASS=one,
+               BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, INV=inverse, num_warps=8, enable_fp_fusion=False)
     return q, s
 
 
@@ -381,8 +381,8 @@ def dequant_packed(packed_NB: torch.Tensor, dtype: torch.dtype, D: int) -> torch
         packed_NB = packed_NB.clone()
     out = torch.empty(N, D, device=packed_NB.device, dtype=dtype)
     if N:
-        _dequant_packed_kernel[(N,)](packed_NB, packed_NB.view(torch.float32), out, D, B, D // 4,
-                                     BLOCK_D=min(4096, triton.next_power_of_2(D)), num_warps=8)
+        launch(_dequant_packed_kernel, (N,), packed_NB, packed_NB.view(torch.float32), out, D, B, D // 4,
+               BLOCK_D=min(4096, triton.next_power_of_2(D)), num_warps=8)
     return out
 
 
@@ -397,9 +397,9 @@ def grouped_col_amax(x_MX: torch.Tensor, offs_L: torch.Tensor, gid_M: torch.Tens
     amax = torch.zeros(L, X, device=x_MX.device, dtype=torch.float32)
     CHUNK, BLOCK_M, BLOCK_X, warps = config
     if M:
-        _col_amax_kernel[(triton.cdiv(M, CHUNK), triton.cdiv(X, BLOCK_X))](
-            x_MX, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax, M, X, CHUNK=CHUNK,
-            BLOCK_M=BLOCK_M, BLOCK_X=BLOCK_X, num_warps=warps)
+        launch(_col_amax_kernel, (triton.cdiv(M, CHUNK), triton.cdiv(X, BLOCK_X)), x_MX,
+               offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax, M, X, CHUNK=CHUNK,
+               BLOCK_M=BLOCK_M, BLOCK_X=BLOCK_X, num_warps=warps)
     return amax
 
 
@@ -449,11 +449,10 @@ def rowwise_quant_col_amax(x_MK: torch.Tensor, offs_L: torch.Tensor, gid_M: torc
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
     q = torch.empty(M, K, device=x_MK.device, dtype=dtype)
     s = torch.empty(M, 1, device=x_MK.device, dtype=torch.float32)
-    _rowwise_col_amax_kernel[(triton.cdiv(M, CHUNK),)](
-        x_MK, q, s, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax.view(torch.int32), M,
-        K, L, CHUNK,
-        FMAX=fmax, TINY=_TINY, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, NKB=triton.cdiv(K, BLOCK_K), STAGES=stages,
-        KEEP=bool(keep), INV=inverse, num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
+    launch(_rowwise_col_amax_kernel, (triton.cdiv(M, CHUNK),), x_MK, q, s, offs_L.to(torch.int32).contiguous(),
+           gid_M.to(torch.int32).contiguous(), amax.view(torch.int32), M, K, L, CHUNK, FMAX=fmax, TINY=_TINY,
+           BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, NKB=triton.cdiv(K, BLOCK_K), STAGES=stages, KEEP=bool(keep), INV=inverse,
+           num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
     return q, s, amax
 
 
@@ -475,11 +474,10 @@ def quant_t_padded(x_MX: torch.Tensor, scale_LX: torch.Tensor, offs_L: torch.Ten
     q = torch.empty(X, P, device=x_MX.device, dtype=dtype) if out is None else out
     BLOCK_P, BLOCK_X, warps = config
     if P and X:
-        _quant_t_kernel[(triton.cdiv(P, BLOCK_P), triton.cdiv(X, BLOCK_X))](
-            x_MX, scale_LX.float().contiguous(), offs_L.to(torch.int32).contiguous(),
-            poffs_L.to(torch.int32).contiguous(), gid_P.to(torch.int32).contiguous(), q, P, X, q.stride(0), FMAX=fmax,
-            BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, BLOCK_EXPERT=align % BLOCK_P == 0, num_warps=warps,
-            enable_fp_fusion=False)
+        launch(_quant_t_kernel, (triton.cdiv(P, BLOCK_P), triton.cdiv(X, BLOCK_X)), x_MX, scale_LX.float().contiguous(),
+               offs_L.to(torch.int32).contiguous(), poffs_L.to(torch.int32).contiguous(),
+               gid_P.to(torch.int32).contiguous(), q, P, X, q.stride(0), FMAX=fmax, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X,
+               BLOCK_EXPERT=align % BLOCK_P == 0, num_warps=warps, enable_fp_fusion=False)
     return q
 
 
@@ -499,9 +497,8 @@ def colwise_quant_t(x_MK: torch.Tensor, fmt: str = "e4m3", amax_K1: Optional[tor
         amax_K = torch.zeros(K, device=dev, dtype=torch.float32)
         CHUNK, BLOCK_M, BLOCK_X, warps = 256, 64, 128, 4  # grouped_col_amax's default
         if M and K:
-            _col_amax_kernel[(triton.cdiv(M, CHUNK), triton.cdiv(K, BLOCK_X))](
-                x_MK, amax_K, amax_K, amax_K, M, K, CHUNK=CHUNK, BLOCK_M=BLOCK_M, BLOCK_X=BLOCK_X, ONE_GROUP=True,
-                num_warps=warps)
+            launch(_col_amax_kernel, (triton.cdiv(M, CHUNK), triton.cdiv(K, BLOCK_X)), x_MK, amax_K, amax_K, amax_K, M,
+                   K, CHUNK=CHUNK, BLOCK_M=BLOCK_M, BLOCK_X=BLOCK_X, ONE_GROUP=True, num_warps=warps)
     else:
         amax_K = amax_K1.float().reshape(K).contiguous()
     q = torch.empty(K, M, device=dev, dtype=dtype)
@@ -511,7 +508,7 @@ def colwise_quant_t(x_MK: torch.Tensor, fmt: str = "e4m3", amax_K1: Optional[tor
     s_K1 = torch.empty(K, 1, device=dev, dtype=torch.float32)
     inv_K1 = torch.empty(K, 1, device=dev, dtype=torch.float32) if inverse else s_K1
     BLOCK_P, BLOCK_X = 128, 64  # quant_t_padded's default
-    _quant_t_one_group_kernel[(triton.cdiv(M, BLOCK_P), triton.cdiv(K, BLOCK_X))](
-        x_MK, amax_K, q, s_K1, inv_K1, M, K, FMAX=fmax, TINY=_TINY, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, INV=inverse,
-        num_warps=4, enable_fp_fusion=False)
+    launch(_quant_t_one_group_kernel, (triton.cdiv(M, BLOCK_P), triton.cdiv(K, BLOCK_X)), x_MK, amax_K, q, s_K1, inv_K1,
+           M, K, FMAX=fmax, TINY=_TINY, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, INV=inverse, num_warps=4,
+           enable_fp_fusion=False)
     return (q, s_K1, inv_K1) if inverse else (q, s_K1)

@@ -20,6 +20,7 @@ import triton
 
 from lightning_moe.modules.fp8 import _TINY, FORMATS
 from lightning_moe.modules.triton_fp8_quant import _rowwise_col_amax_kernel
+from lightning_moe.modules.triton_launch import launch
 
 
 def fuses(F: int) -> bool:
@@ -59,13 +60,13 @@ def _launch(x, q, s, offs_L, gid_M, amax, h, g, p, gp, source: int, fmt: str, in
     if F % BLOCK_K:
         raise ValueError(f"triton_fp8_swiglu: column blocks of {BLOCK_K} do not divide F = {F}")
     options = {} if maxnreg is None else {"maxnreg": maxnreg}
-    _rowwise_col_amax_kernel[(triton.cdiv(M, CHUNK),)](
-        x, q, s, offs_L.to(torch.int32).contiguous(), gid_M.to(torch.int32).contiguous(), amax.view(torch.int32), M, K,
-        offs_L.numel(), CHUNK, FMAX=FORMATS[fmt][1], TINY=_TINY, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-        NKB=K // BLOCK_K, STAGES=stages, KEEP=bool(keep), INV=inverse, SOURCE=source, h_ptr=h, g_ptr=g,
-        p_ptr=p if p is not None else h, gp_ptr=gp if gp is not None else s, HAS_P=p is not None,
-        ACC_BF16=bool(acc_bf16) and x.dtype == torch.bfloat16, num_warps=warps,
-        enable_fp_fusion=True, **options)  # triton_swiglu's contraction; the quantization has no multiply-add
+    launch(_rowwise_col_amax_kernel, (triton.cdiv(M, CHUNK),), x, q, s, offs_L.to(torch.int32).contiguous(),
+           gid_M.to(torch.int32).contiguous(), amax.view(torch.int32), M, K, offs_L.numel(), CHUNK,
+           FMAX=FORMATS[fmt][1], TINY=_TINY, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, NKB=K // BLOCK_K, STAGES=stages,
+           KEEP=bool(keep), INV=inverse, SOURCE=source, h_ptr=h, g_ptr=g, p_ptr=p if p is not None else h,
+           gp_ptr=gp if gp is not None else s, HAS_P=p is not None,
+           ACC_BF16=bool(acc_bf16) and x.dtype == torch.bfloat16, num_warps=warps,
+           enable_fp_fusion=True, **options)  # triton_swiglu's contraction; the quantization has no multiply-add
 
 
 def _check(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], offs_L: torch.Tensor) -> tuple[int, int]:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from lightning_moe.modules.fp8 import _TINY, FORMATS
 from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat, _scale
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -69,8 +70,8 @@ def quantize_both(w_LKN: torch.Tensor, fmt: str = "e4m3", config: tuple = (128, 
     bk, bn, warps = config
     if w_LKN.numel():
         grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
-        _amax_kernel[grid](w_LKN, col_LN, row_LK, K, N, BLOCK_K=bk, BLOCK_N=bn, num_warps=warps)
-        _quant_kernel[grid](w_LKN, col_LN, row_LK, qf, qd, K, N, FMAX=fmax, TINY=_TINY, BLOCK_K=bk, BLOCK_N=bn,
-                            num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
+        launch(_amax_kernel, grid, w_LKN, col_LN, row_LK, K, N, BLOCK_K=bk, BLOCK_N=bn, num_warps=warps)
+        launch(_quant_kernel, grid, w_LKN, col_LN, row_LK, qf, qd, K, N, FMAX=fmax, TINY=_TINY, BLOCK_K=bk, BLOCK_N=bn,
+               num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
     col_L1N, row_LK1 = col_LN.unsqueeze(1), row_LK.unsqueeze(2)
     return (qf, fmax / col_L1N.clamp_min(_TINY)), (qd, fmax / row_LK1.clamp_min(_TINY))

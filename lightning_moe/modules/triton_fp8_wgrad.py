@@ -27,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lightning_moe.modules.kernels import interpreting, load
 from lightning_moe.modules.triton_grouped_wgrad import grouped_tile
+from lightning_moe.modules.triton_launch import launch
 
 T = 128  # tokens per block: the blockwise recipe's scale tiles, and the rowwise promotion interval
 # which kernel the per-expert wgrad takes by default: "auto" the persistent one when adding into a main grad (where it
@@ -305,15 +306,14 @@ def wgrad_into(out_LKN: torch.Tensor, a: tuple, b: tuple, offs_L: torch.Tensor, 
             programs = per_sm * torch.cuda.get_device_properties(out_LKN.device).multi_processor_count \
                 if out_LKN.is_cuda else 4
         do = TensorDescriptor.from_tensor(out_LKN, [1, bk, bn]) if tma_out else out_LKN
-        _fp8_wgrad_persistent_kernel[(programs,)](
-            da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, do, offs_L.to(torch.int32), K, N, L,
-            P, ACC=not first, FAST=fast, TMA_OUT=tma_out, BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages,
-            num_warps=warps)
+        launch(_fp8_wgrad_persistent_kernel, (programs,), da, sa.float().contiguous(), db, sb.float().contiguous(),
+               out_LKN, do, offs_L.to(torch.int32), K, N, L, P, ACC=not first, FAST=fast, TMA_OUT=tma_out, BLOCK_K=bk,
+               BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
         return
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
-    _fp8_wgrad_kernel[grid](da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,
-                            offs_L.to(torch.int32), K, N, ACC=not first, PER_BLOCK=per_block, FAST=fast,
-                            BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+    launch(_fp8_wgrad_kernel, grid, da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,
+           offs_L.to(torch.int32), K, N, ACC=not first, PER_BLOCK=per_block, FAST=fast, BLOCK_K=bk, BLOCK_N=bn, TB=T,
+           GROUP_K=8, STAGES=stages, num_warps=warps)
 
 
 def check_args(out_LKN, aT, sa, bT, sb, per_expert: bool) -> tuple:
@@ -366,10 +366,9 @@ def wgrad_segments_into(out_LKN: torch.Tensor, a: tuple, b: tuple, starts_SL: to
     da = TensorDescriptor.from_tensor(_rows_16(aT), [bk, T])
     db = TensorDescriptor.from_tensor(_rows_16(bT), [bn, T])
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), L)
-    _fp8_wgrad_segments_kernel[grid](
-        da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN, starts_SL.to(torch.int32).contiguous(),
-        ends_SL.to(torch.int32).contiguous(), K, N, L, S, P, ACC=not first, FAST=fast, BLOCK_K=bk, BLOCK_N=bn,
-        TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
+    launch(_fp8_wgrad_segments_kernel, grid, da, sa.float().contiguous(), db, sb.float().contiguous(), out_LKN,
+           starts_SL.to(torch.int32).contiguous(), ends_SL.to(torch.int32).contiguous(), K, N, L, S, P, ACC=not first,
+           FAST=fast, BLOCK_K=bk, BLOCK_N=bn, TB=T, GROUP_K=8, STAGES=stages, num_warps=warps)
 
 
 def check_segments(out_LKN, aT, sa, bT, sb, starts_SL, ends_SL) -> tuple:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from lightning_moe.modules.kernels import interpreting
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -132,8 +133,8 @@ def wgrad_into(main_LKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, 
     if interpreting():  # small tiles; the interpreter's numpy dot mishandles bf16, and bf16 -> fp32 is exact
         x_MK, dy_MN = x_MK.float(), dy_MN.float()
         grid = (triton.cdiv(K, 16) * triton.cdiv(N, 16), L)
-        _wgrad_kernel[grid](x_MK, dy_MN, main_LKN, offs, K, N, x_MK.stride(0), dy_MN.stride(0), ACC=not first,
-                            BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, GROUP_K=2)
+        launch(_wgrad_kernel, grid, x_MK, dy_MN, main_LKN, offs, K, N, x_MK.stride(0), dy_MN.stride(0), ACC=not first,
+               BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, GROUP_K=2)
         return
     args = (x_MK, dy_MN, main_LKN, offs, K, N, x_MK.stride(0), dy_MN.stride(0))
     if first:
@@ -142,7 +143,7 @@ def wgrad_into(main_LKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, 
         return
     c = _tuned_config(K, N, tuple(str(t.dtype) for t in (x_MK, dy_MN, main_LKN, offs)))
     grid = (triton.cdiv(K, c.kwargs["BLOCK_K"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]), L)
-    _wgrad_kernel[grid](*args, ACC=True, num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)
+    launch(_wgrad_kernel, grid, *args, ACC=True, num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)
 
 
 @torch.no_grad()
@@ -175,7 +176,7 @@ def wgrad_segments_into(main_LKN: torch.Tensor, segments: list, first: bool) -> 
     args = (xs[0], dys[0], main_LKN, offs_SL, off_2S[:S], off_2S[S:], S, L, K, N)
     if interp:
         grid = (triton.cdiv(K, 16) * triton.cdiv(N, 16), L)
-        _wgrad_segments_kernel[grid](*args, ACC=not first, BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, GROUP_K=2)
+        launch(_wgrad_segments_kernel, grid, *args, ACC=not first, BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, GROUP_K=2)
         return
     if first:
         grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), L)  # noqa: E731
@@ -183,4 +184,4 @@ def wgrad_segments_into(main_LKN: torch.Tensor, segments: list, first: bool) -> 
         return
     c = _tuned_config(K, N, tuple(str(t.dtype) for t in args[:6]), _write_segments)
     grid = (triton.cdiv(K, c.kwargs["BLOCK_K"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]), L)
-    _wgrad_segments_kernel[grid](*args, ACC=True, num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)
+    launch(_wgrad_segments_kernel, grid, *args, ACC=True, num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 BLOCK_R = 16  # head vectors per program
 NUM_WARPS = 4
@@ -76,10 +77,10 @@ def _launch(nope: torch.Tensor, rope: torch.Tensor, out: torch.Tensor, cos: torc
     rows = B * S * H
     if rows:
         rh = rope.stride(2) if rope.shape[2] > 1 else 0  # the shared rope key: every head reads the same row
-        _kernel[(triton.cdiv(rows, BLOCK_R),)](
-            nope, rope, out, cos_PR, sin_PR, rows, S, H, cos_PR.shape[0], *nope.stride()[:3], rope.stride(0),
-            rope.stride(1), rh, NOPE=N, HALF=R // 2, INVERSE=inverse, BLOCK_R=BLOCK_R,
-            BLOCK_N=triton.next_power_of_2(N), BLOCK_H=triton.next_power_of_2(R // 2), num_warps=NUM_WARPS)
+        launch(_kernel, (triton.cdiv(rows, BLOCK_R),), nope, rope, out, cos_PR, sin_PR, rows, S, H, cos_PR.shape[0],
+               *nope.stride()[:3], rope.stride(0), rope.stride(1), rh, NOPE=N, HALF=R // 2, INVERSE=inverse,
+               BLOCK_R=BLOCK_R, BLOCK_N=triton.next_power_of_2(N), BLOCK_H=triton.next_power_of_2(R // 2),
+               num_warps=NUM_WARPS)
     return out
 
 

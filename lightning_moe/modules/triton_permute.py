@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -82,10 +83,10 @@ def combine_fwd(y_ND: torch.Tensor, rows_TK: torch.Tensor, probs_TK: Optional[to
     D = y_ND.shape[1]
     out = torch.empty(T, D, device=y_ND.device, dtype=out_dtype)
     BLOCK_D = _block(D)
-    _combine_fwd_kernel[(T, triton.cdiv(D, BLOCK_D))](
-        y_ND.contiguous(), rows_TK.contiguous(), probs_TK.contiguous() if probs_TK is not None else rows_TK,
-        keep_TK.contiguous() if keep_TK is not None else rows_TK, out, D, K=K, HAS_PROBS=probs_TK is not None,
-        HAS_KEEP=keep_TK is not None, BLOCK_D=BLOCK_D, num_warps=4)
+    launch(_combine_fwd_kernel, (T, triton.cdiv(D, BLOCK_D)), y_ND.contiguous(), rows_TK.contiguous(),
+           probs_TK.contiguous() if probs_TK is not None else rows_TK,
+           keep_TK.contiguous() if keep_TK is not None else rows_TK, out, D, K=K, HAS_PROBS=probs_TK is not None,
+           HAS_KEEP=keep_TK is not None, BLOCK_D=BLOCK_D, num_warps=4)
     return out
 
 
@@ -97,9 +98,9 @@ def combine_bwd(g_TD: torch.Tensor, y_ND: torch.Tensor, rows_TK: torch.Tensor, p
     gy = torch.empty(N, D, device=y_ND.device, dtype=y_ND.dtype) if permutation else \
         torch.zeros(N + 1, D, device=y_ND.device, dtype=y_ND.dtype)
     gp = torch.empty(T, K, device=y_ND.device, dtype=torch.float32)
-    _combine_bwd_kernel[(T,)](g_TD.contiguous(), y_ND.contiguous(), rows_TK.contiguous(), probs_TK.contiguous(),
-                              keep_TK.contiguous() if keep_TK is not None else rows_TK, gy, gp, D, K=K,
-                              HAS_KEEP=keep_TK is not None, BLOCK_D=_block(D), num_warps=4)
+    launch(_combine_bwd_kernel, (T,), g_TD.contiguous(), y_ND.contiguous(), rows_TK.contiguous(), probs_TK.contiguous(),
+           keep_TK.contiguous() if keep_TK is not None else rows_TK, gy, gp, D, K=K, HAS_KEEP=keep_TK is not None,
+           BLOCK_D=_block(D), num_warps=4)
     return gy[:N], gp
 
 
@@ -108,6 +109,6 @@ def gather(x_TD: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
     out = torch.empty(R, D, device=x_TD.device, dtype=x_TD.dtype)
     BLOCK_D = _block(D)
     if R:
-        _gather_kernel[(R, triton.cdiv(D, BLOCK_D))](x_TD.contiguous(), src_R.contiguous(), out, D, BLOCK_D=BLOCK_D,
-                                                     num_warps=4)
+        launch(_gather_kernel, (R, triton.cdiv(D, BLOCK_D)), x_TD.contiguous(), src_R.contiguous(), out, D,
+               BLOCK_D=BLOCK_D, num_warps=4)
     return out

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -112,8 +113,8 @@ def forward(x: torch.Tensor, w: Optional[torch.Tensor], cos: torch.Tensor, sin: 
     if R:
         half, args = Dh // 2, (x_RD, w if w is not None else x_RD, cos_PD, sin_PD, out,
                                rstd if rstd is not None else out, R, heads, cos_PD.shape[0], eps)
-        _fwd_kernel[(triton.cdiv(R, BLOCK_R),)](*args, HALF=half, HAS_NORM=w is not None, BLOCK_R=BLOCK_R,
-                                                BLOCK_H=triton.next_power_of_2(half), num_warps=NUM_WARPS)
+        launch(_fwd_kernel, (triton.cdiv(R, BLOCK_R),), *args, HALF=half, HAS_NORM=w is not None, BLOCK_R=BLOCK_R,
+               BLOCK_H=triton.next_power_of_2(half), num_warps=NUM_WARPS)
     return out.view(x.shape), rstd
 
 
@@ -133,8 +134,8 @@ def backward(g: torch.Tensor, x: Optional[torch.Tensor], w: Optional[torch.Tenso
     nprog = triton.cdiv(R, BLOCK_R)
     dw = torch.empty(nprog, Dh, device=g.device, dtype=torch.float32) if w is not None else None
     if R:
-        _bwd_kernel[(nprog,)](g_RD, x_RD if x_RD is not None else g_RD, w if w is not None else g_RD, cos_PD, sin_PD,
-                              rstd if rstd is not None else dx, dx, dw if dw is not None else dx, R, heads,
-                              cos_PD.shape[0], HALF=Dh // 2, HAS_NORM=w is not None, BLOCK_R=BLOCK_R,
-                              BLOCK_H=triton.next_power_of_2(Dh // 2), num_warps=NUM_WARPS)
+        launch(_bwd_kernel, (nprog,), g_RD, x_RD if x_RD is not None else g_RD, w if w is not None else g_RD, cos_PD,
+               sin_PD, rstd if rstd is not None else dx, dx, dw if dw is not None else dx, R, heads, cos_PD.shape[0],
+               HALF=Dh // 2, HAS_NORM=w is not None, BLOCK_R=BLOCK_R, BLOCK_H=triton.next_power_of_2(Dh // 2),
+               num_warps=NUM_WARPS)
     return dx.view(shape), (dw.sum(0).to(w.dtype) if w is not None else None)

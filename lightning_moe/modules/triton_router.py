@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 NEG = tl.constexpr(float("-inf"))  # a constexpr: jit code reads no other globals
 
@@ -263,12 +264,11 @@ def router_fwd(logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor], *, topk:
     zpart = torch.empty(nb, device=dev, dtype=torch.float32) if z else empty
     spart = torch.empty(nb, E, device=dev, dtype=torch.float32) if aux else empty
     cpart = torch.empty(nb, E, device=dev, dtype=torch.float32) if aux else empty
-    _router_fwd_kernel[(nb,)](
-        logits_TE, bias_E if bias_E is not None else logits_TE, probs, experts, tpe, zpart, spart, cpart,
-        T, E, float(scale or 1.0), K=topk, K_PAD=triton.next_power_of_2(topk), E_PAD=triton.next_power_of_2(E),
-        BLOCK_T=block_t, SCORE=score, HAS_BIAS=bias_E is not None, GROUPS=groups,
-        G_PAD=triton.next_power_of_2(max(groups, 1)), GROUP_SIZE=E // max(groups, 1), GROUP_TOPK=group_topk,
-        HAS_SCALE=bool(scale), COUNT=count, HAS_Z=z, AUX=aux, AUX_TOPK=aux_topk, num_warps=4)
+    launch(_router_fwd_kernel, (nb,), logits_TE, bias_E if bias_E is not None else logits_TE, probs, experts, tpe,
+           zpart, spart, cpart, T, E, float(scale or 1.0), K=topk, K_PAD=triton.next_power_of_2(topk),
+           E_PAD=triton.next_power_of_2(E), BLOCK_T=block_t, SCORE=score, HAS_BIAS=bias_E is not None, GROUPS=groups,
+           G_PAD=triton.next_power_of_2(max(groups, 1)), GROUP_SIZE=E // max(groups, 1), GROUP_TOPK=group_topk,
+           HAS_SCALE=bool(scale), COUNT=count, HAS_Z=z, AUX=aux, AUX_TOPK=aux_topk, num_warps=4)
     return probs, experts, tpe, zpart, spart, cpart
 
 
@@ -278,10 +278,10 @@ def router_bwd(logits_TE: torch.Tensor, experts_TK: torch.Tensor, g_probs: Optio
     T, E = logits_TE.shape
     K = experts_TK.shape[1]
     grad = torch.empty_like(logits_TE)
-    _router_bwd_kernel[(triton.cdiv(T, block_t),)](
-        logits_TE, experts_TK, g_probs.contiguous() if g_probs is not None else logits_TE,
-        g_z.contiguous() if g_z is not None else logits_TE, g_s.contiguous() if g_s is not None else logits_TE,
-        grad, T, E, float(scale or 1.0), K=K, K_PAD=triton.next_power_of_2(K), E_PAD=triton.next_power_of_2(E),
-        BLOCK_T=block_t, SCORE=score, HAS_SCALE=bool(scale), HAS_GP=g_probs is not None, HAS_GZ=g_z is not None,
-        AUX=aux if g_s is not None else 0, num_warps=4)
+    launch(_router_bwd_kernel, (triton.cdiv(T, block_t),), logits_TE, experts_TK,
+           g_probs.contiguous() if g_probs is not None else logits_TE,
+           g_z.contiguous() if g_z is not None else logits_TE, g_s.contiguous() if g_s is not None else logits_TE, grad,
+           T, E, float(scale or 1.0), K=K, K_PAD=triton.next_power_of_2(K), E_PAD=triton.next_power_of_2(E),
+           BLOCK_T=block_t, SCORE=score, HAS_SCALE=bool(scale), HAS_GP=g_probs is not None, HAS_GZ=g_z is not None,
+           AUX=aux if g_s is not None else 0, num_warps=4)
     return grad

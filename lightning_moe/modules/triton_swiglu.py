@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from lightning_moe.modules.triton_launch import launch
 
 
 @triton.jit
@@ -87,8 +88,8 @@ def forward(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor]) -> torch.Tensor:
     out = torch.empty(M, F, device=h_M2F.device, dtype=h_M2F.dtype)
     if M:
         B = _block(F)
-        _fwd_kernel[(M, triton.cdiv(F, B))](h_M2F, p_M.contiguous() if p_M is not None else h_M2F, out, F,
-                                            HAS_P=p_M is not None, BLOCK=B, num_warps=4)
+        launch(_fwd_kernel, (M, triton.cdiv(F, B)), h_M2F, p_M.contiguous() if p_M is not None else h_M2F, out, F,
+               HAS_P=p_M is not None, BLOCK=B, num_warps=4)
     return out.view(*lead, F)
 
 
@@ -100,6 +101,7 @@ def backward(g_MF: torch.Tensor, h_M2F: torch.Tensor,
     gh = torch.empty_like(h_M2F)
     gp = torch.empty(M, device=h_M2F.device, dtype=torch.float32) if p_M is not None else None
     if M:
-        _bwd_kernel[(M,)](g_MF.reshape(M, F).contiguous(), h_M2F, p_M.contiguous() if p_M is not None else h_M2F,
-                          gh, gp if gp is not None else gh, F, HAS_P=p_M is not None, BLOCK=_block(F), num_warps=4)
+        launch(_bwd_kernel, (M,), g_MF.reshape(M, F).contiguous(), h_M2F,
+               p_M.contiguous() if p_M is not None else h_M2F, gh, gp if gp is not None else gh, F,
+               HAS_P=p_M is not None, BLOCK=_block(F), num_warps=4)
     return gh.view(shape), gp
