@@ -26,6 +26,7 @@ else the local copy below); MFU is against the dense bf16 peak of 989.4 TFLOPS (
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -180,6 +181,16 @@ class StepTimer(L.Callback):
     def __init__(self, device: torch.device, warmup_steps: int, max_steps: int):
         self.device, self.warmup_steps, self.max_steps = device, warmup_steps, max_steps
         self.stamps, self.losses, self.wall, self.pipeline = [], [], {}, {}
+        self.gc = {g: [0, 0.0] for g in range(3)}  # Python's collections in the timed window: count, host seconds
+        self._gc_t0 = 0.0
+
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            entry = self.gc[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._gc_t0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches or len(self.stamps) >= self.max_steps:
@@ -192,6 +203,10 @@ class StepTimer(L.Callback):
         if step in (self.warmup_steps, self.max_steps):
             sync(self.device)
             self.wall[step] = time.perf_counter()
+            if step == self.warmup_steps:
+                gc.callbacks.append(self._gc_callback)
+            elif self._gc_callback in gc.callbacks:
+                gc.callbacks.remove(self._gc_callback)
         if step == self.max_steps:  # the last timed step's schedule, before any profiled step
             self.pipeline = trainer.strategy.pipeline_timing()
 
@@ -204,6 +219,10 @@ class StepTimer(L.Callback):
                "step_time_median_s": statistics.median(per_step) if per_step else None,
                "step_time_min_s": min(per_step) if per_step else None,
                "step_time_max_s": max(per_step) if per_step else None}
+        if self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
+        out["gc_in_timed_steps"] = {f"gen{g}": {"collections": n, "host_s": round(t, 4)}
+                                    for g, (n, t) in self.gc.items()}
         losses = [float(x) for x in self.losses]
         out.update(loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
                    losses_finite=all(math.isfinite(x) for x in losses))
@@ -260,6 +279,8 @@ def strategy_kwargs(args) -> dict:
         kw["fused_optimizer_writeback"] = False
     if args.defer_expert_wgrad:
         kw["defer_expert_wgrad"] = args.defer_expert_wgrad
+    if args.manual_gc is not None:
+        kw["manual_gc"] = args.manual_gc
     if args.pp > 1 or args.microbatches > 1:
         kw.update(pipeline_parallel_size=args.pp, num_microbatches=args.microbatches)
         if args.vpp:
@@ -558,6 +579,8 @@ def main(argv=None) -> dict:
                         "(with N: once per N micro-batches)")
     p.add_argument("--no-expert-wgrad-fusion", action="store_true",
                    help="the experts' wgrad GEMMs write bf16 gradients for the hook to add (the dense linears still fuse)")
+    p.add_argument("--manual-gc", type=int, default=None, metavar="N",
+                   help="MoEFoldStrategy(manual_gc=N): Python's garbage collector off, a full collection every N steps")
     p.add_argument("--distributed-optimizer", action="store_true", help="MoEFoldStrategy(distributed_optimizer=True)")
     p.add_argument("--recompute", default=None, help="lightning_moe.Recompute(modules): comma-separated names")
     p.add_argument("--offload-activations", default=None,

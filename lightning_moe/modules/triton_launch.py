@@ -19,6 +19,7 @@ with pre-run hooks, for a callable grid, or with ``LMOE_TRITON_LAUNCH=0`` (for c
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -28,25 +29,21 @@ ENABLED = os.environ.get("LMOE_TRITON_LAUNCH", "1") != "0"
 # False for a kernel that always goes through kernel[grid] (interpreted, with pre-run hooks): a cache of compiled
 # kernels, like triton's own, not state
 _COMPILED: dict = {}
+_HOOKS: Optional[tuple] = None  # triton's launch hooks, read once (``_hooks``)
 
 
-def _hooks():
-    """triton's launch hooks (``knobs.runtime``'s HookChains; plain functions or None on older triton), or ()."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return ()
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-
-
-_HOOKS = None  # read once: the HookChain objects stay the same, their calls change
-
-
-def _hooked() -> bool:
+def _hooks() -> Optional[tuple]:
+    """triton's launch hooks (``knobs.runtime``'s HookChains, whose calls change but not the objects), read once; None
+    on a triton without ``knobs`` (before 3.3), whose launchers take other arguments: every launch then goes through
+    ``kernel[grid]``."""
     global _HOOKS
     if _HOOKS is None:
-        _HOOKS = _hooks()
-    return any(getattr(h, "calls", h) for h in _HOOKS)
+        try:
+            from triton import knobs
+            _HOOKS = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+        except (ImportError, AttributeError):
+            _HOOKS = ()
+    return _HOOKS or None
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
@@ -54,13 +51,13 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     stream."""
     compiled = _COMPILED.get(id(kernel))
     if compiled is None:  # the first launch of this kernel: can it go through its launcher at all?
-        compiled = _COMPILED[id(kernel)] = {} if (hasattr(kernel, "device_caches")
+        compiled = _COMPILED[id(kernel)] = {} if (hasattr(kernel, "device_caches") and _hooks() is not None
                                                   and not getattr(kernel, "pre_run_hooks", None)) else False
-    if compiled is False or not ENABLED or callable(grid) or _hooked():
+    if compiled is False or not ENABLED or callable(grid) or any(getattr(h, "calls", h) for h in _hooks() or ()):
         kernel[grid](*args, **kwargs)
         return
     device = torch._C._cuda_getDevice()  # what triton's driver launches on: the current device
-    params, specialization, options = kernel.device_caches[device][4](*args, **kwargs)  # triton's binder
+    params, specialization, options = kernel.device_caches[device][-1](*args, **kwargs)  # triton's binder
     key = (device, tuple(specialization), tuple(options.items()))
     hit = compiled.get(key)
     if hit is None:

@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_moe.strategy.checkpoint import load_sharded, save_sharded
 from lightning_moe.strategy.checkpoint_state import fill_checkpoint, split_checkpoint
 from lightning_moe.strategy.cuda_graphs import capture_blocks, release_blocks, unsupported_layout
+from lightning_moe.strategy.manual_gc import ManualGC, check_interval
 from lightning_moe.strategy.reshard import load_pieces, save_pieces
 from lightning_moe.strategy.grad_sync import GradSync, is_expert_param
 from lightning_moe.strategy.layout import Layout, build_layout
@@ -188,6 +189,12 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             ``FP8Training(defer_expert_wgrad=...)`` sets the FP8 experts' own (their FP8 wgrad); FP8Training refuses
             this option where its experts' wgrad would not take it, and a rank whose experts deferred nothing in the
             first step warns.
+        manual_gc: Megatron's ``--manual-gc`` with ``--manual-gc-interval N``: Python's automatic garbage collector
+            is off while training runs (what is alive when it starts is frozen out of collections), and a full
+            collection runs every N optimizer steps, at the same step on every rank (``strategy/manual_gc.py``), so
+            that no rank's collection lands in a random step. 0: no collection during training (garbage with
+            reference cycles then stays until it ends). None (default): Python's own collector. On one H200 it did not
+            change Qwen3's step (docs/PERFORMANCE.md): the automatic collector made no full collection there.
     """
 
     strategy_name = "moe_fold"
@@ -208,7 +215,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                  skip_nonfinite_steps: Optional[int] = None,
                  gradient_accumulation_fusion: Optional[bool] = None,
                  fused_optimizer_writeback: Optional[bool] = None,
-                 defer_expert_wgrad: Union[bool, int] = False, accelerator=None,
+                 defer_expert_wgrad: Union[bool, int] = False, manual_gc: Optional[int] = None, accelerator=None,
                  parallel_devices: Optional[list[torch.device]] = None,
                  cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
@@ -271,6 +278,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                                                         optimizer_cpu_offload, gradient_accumulation_fusion,
                                                         fused_optimizer_writeback, defer_expert_wgrad)
         self.fp32_main_params = self.optimizer_options.main_params_fp32
+        self.manual_gc = check_interval(manual_gc)
+        self._gc: Optional[ManualGC] = None
         self._main_params: Optional[MainParams] = None
         self._sharded: Optional[ShardedOptimizer] = None
         if skip_nonfinite_steps is not None and (not isinstance(skip_nonfinite_steps, int) or skip_nonfinite_steps < 1):
@@ -436,6 +445,24 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                 if getattr(block, "is_moe", False):
                     with block._step_context()():  # raises for Recompute full/moe and ActivationOffload
                         pass
+        if self.manual_gc is not None:  # last: what the setup and the callbacks made is frozen with the model
+            self._gc = ManualGC(self.manual_gc)
+            self._gc.start()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._stop_manual_gc()
+
+    def _stop_manual_gc(self) -> None:
+        if self._gc is not None:
+            self._gc.stop()
+            self._gc = None
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._gc is not None:  # after every optimizer step, skipped ones included: the same step on every rank
+            self._gc.step()
+        return out
 
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -671,6 +698,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)
 
     def on_exception(self, exception: BaseException) -> None:
+        self._stop_manual_gc()
         comm = _is_collective_error(exception)
         if self._liveness is not None:
             # this rank failed rather than got lost; its own error (not a collective's) is the others' root cause
@@ -687,6 +715,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                   "rank probably died first: look at its log.", file=sys.stderr, flush=True)
 
     def teardown(self) -> None:
+        self._stop_manual_gc()
         if self._liveness is not None:
             self._liveness.stop()
             self._liveness = None
