@@ -9,57 +9,76 @@ compiled kernel's launcher alone.
 
 How: each call still runs triton's own binder (native code) over its arguments, so it gets the specialization
 ``kernel[grid]`` would: dtypes, the 16-byte alignment of pointers, the divisibility of integers by 16, constexprs.
-That specialization and the launch options key a cache of compiled kernels. A hit launches the compiled kernel on the
-current stream straight through its launcher; a miss goes through ``kernel[grid]`` (compiling or tuning as it does) and
-keeps the kernel it returns. A call therefore never reuses a kernel compiled for another specialization. Every call goes
-through ``kernel[grid]`` under the interpreter, with launch hooks set (proton, ``knobs.runtime.launch_enter_hook``),
-with pre-run hooks, for a callable grid, or with ``LMOE_TRITON_LAUNCH=0`` (for comparisons).
+That specialization, the launch options and the knobs ``run`` adds to them (debug, instrumentation, sanitizer) key a
+cache of compiled kernels. A hit launches the compiled kernel on the current device and stream straight through its
+launcher; a miss goes through ``kernel[grid]`` (compiling as it does) and keeps the kernel it returns. A call therefore
+never reuses a kernel compiled for another specialization or other options. Every call goes through ``kernel[grid]``
+under the interpreter, for autotuned kernels (no binder of their own), with launch hooks set (proton), with pre-run
+hooks, with a stages-inspection hook, for a callable grid or unhashable options, on a triton without ``knobs``
+(before 3.3: other launcher arguments), or with ``LMOE_TRITON_LAUNCH=0`` (read at import; for comparisons).
+
+What a hit skips that ``run`` does: the check that the kernel's global values have not changed since it was compiled
+(ours are module constants) and the launch metadata that only launch hooks read.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 ENABLED = os.environ.get("LMOE_TRITON_LAUNCH", "1") != "0"
 
-# id(kernel) -> {(device, specialization, options): the compiled kernel's (launcher, function, packed metadata)}, or
-# False for a kernel that always goes through kernel[grid] (interpreted, with pre-run hooks): a cache of compiled
-# kernels, like triton's own, not state
+# id(kernel) -> (kernel, {key: the compiled kernel's (launcher, function, packed metadata)}), the kernel held so that
+# a new kernel at a freed one's id never finds its entry; or (kernel, False) for a kernel that always goes through
+# kernel[grid]. A cache of compiled kernels, like triton's own, not state.
 _COMPILED: dict = {}
-_HOOKS: Optional[tuple] = None  # triton's launch hooks, read once (``_hooks``)
+_KNOBS: Optional[tuple] = None  # (knobs.runtime, knobs.compilation), or () without knobs: read once (``_knobs``)
 
 
-def _hooks() -> Optional[tuple]:
-    """triton's launch hooks (``knobs.runtime``'s HookChains, whose calls change but not the objects), read once; None
-    on a triton without ``knobs`` (before 3.3), whose launchers take other arguments: every launch then goes through
-    ``kernel[grid]``."""
-    global _HOOKS
-    if _HOOKS is None:
+def _knobs() -> Optional[tuple]:
+    """triton's ``knobs.runtime`` and ``knobs.compilation``; None on a triton without ``knobs``."""
+    global _KNOBS
+    if _KNOBS is None:
         try:
             from triton import knobs
-            _HOOKS = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+            _KNOBS = (knobs.runtime, knobs.compilation)
         except (ImportError, AttributeError):
-            _HOOKS = ()
-    return _HOOKS or None
+            _KNOBS = ()
+    return _KNOBS or None
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def _set(hook) -> bool:
+    """Whether a launch hook is set: a HookChain with calls (triton >= 3.5), or a function (3.3-3.4)."""
+    return bool(getattr(hook, "calls", hook))
+
+
+def launch(kernel, grid: Union[tuple, Callable], /, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``: the same kernel, specialization and launch, on the current device and
     stream."""
-    compiled = _COMPILED.get(id(kernel))
-    if compiled is None:  # the first launch of this kernel: can it go through its launcher at all?
-        compiled = _COMPILED[id(kernel)] = {} if (hasattr(kernel, "device_caches") and _hooks() is not None
-                                                  and not getattr(kernel, "pre_run_hooks", None)) else False
-    if compiled is False or not ENABLED or callable(grid) or any(getattr(h, "calls", h) for h in _hooks() or ()):
+    entry = _COMPILED.get(id(kernel))
+    if entry is None or entry[0] is not kernel:  # this kernel's first launch: can it go through its launcher at all?
+        ok = hasattr(kernel, "device_caches") and _knobs() is not None and not getattr(kernel, "pre_run_hooks", None)
+        entry = _COMPILED[id(kernel)] = (kernel, {} if ok else False)
+    compiled, knobs = entry[1], _KNOBS
+    if compiled is False or not ENABLED or callable(grid):
+        kernel[grid](*args, **kwargs)
+        return
+    rt, comp = knobs
+    if (_set(rt.launch_enter_hook) or _set(rt.launch_exit_hook) or getattr(kernel, "pre_run_hooks", None)
+            or getattr(rt, "add_stages_inspection_hook", None) is not None):
         kernel[grid](*args, **kwargs)
         return
     device = torch._C._cuda_getDevice()  # what triton's driver launches on: the current device
     params, specialization, options = kernel.device_caches[device][-1](*args, **kwargs)  # triton's binder
-    key = (device, tuple(specialization), tuple(options.items()))
-    hit = compiled.get(key)
+    key = (device, tuple(specialization), tuple(options.items()), getattr(kernel, "debug", None), rt.debug,
+           getattr(comp, "instrumentation_mode", None), getattr(comp, "fpsan_homomorphic_casts", None))
+    try:
+        hit = compiled.get(key)
+    except TypeError:  # an unhashable option or constexpr: triton's own path
+        kernel[grid](*args, **kwargs)
+        return
     if hit is None:
         k = kernel[grid](*args, **kwargs)  # compiles where needed, and launches
         if k is not None and hasattr(k, "packed_metadata"):

@@ -12,7 +12,8 @@ How: when training starts, one full collection, then ``gc.freeze()`` (what is al
 optimizer and imported code, leaves the collector's view for good) and ``gc.disable()``. Every N optimizer steps a
 full collection runs, at the same step on every rank, over what was made since the freeze. When training ends (or
 fails), the objects are unfrozen and the collector is enabled again if it was. Reference counting still frees all
-garbage without cycles at once; only cyclic garbage waits for the next collection (forever with N = 0).
+garbage without cycles at once; only cyclic garbage waits for the next collection (until training ends with N = 0).
+Objects the user froze before training stay frozen, and then nothing else is frozen or thawed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ManualGC:
         self.interval = check_interval(interval)
         self.steps = 0
         self._was_enabled: Optional[bool] = None  # None: not started (or stopped)
+        self._freezes = False  # whether start froze the objects (stop thaws them)
 
     @property
     def active(self) -> bool:
@@ -45,8 +47,11 @@ class ManualGC:
         if self.active:
             return
         self._was_enabled = gc.isenabled()
-        gc.collect()  # the setup's garbage, before what is left is frozen
-        gc.freeze()
+        # objects frozen before (by the user, before forking workers) stay frozen: then nothing is frozen or thawed here
+        self._freezes = gc.get_freeze_count() == 0
+        if self._freezes:
+            gc.collect()  # the setup's garbage, before what is left is frozen
+            gc.freeze()
         gc.disable()
         self.steps = 0
 
@@ -61,7 +66,8 @@ class ManualGC:
     def stop(self) -> None:
         if not self.active:
             return
-        gc.unfreeze()
+        if self._freezes:
+            gc.unfreeze()
         if self._was_enabled:
             gc.enable()
         self._was_enabled = None

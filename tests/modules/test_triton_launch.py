@@ -67,7 +67,7 @@ def test_launch_matches_the_kernel_and_respects_its_specialization():
             assert torch.equal(got, want), (x.data_ptr() % 16, x.numel(), a, b)
         torch.testing.assert_close(want, x * a + b)  # the kernel may contract into an FMA
     # one compiled kernel per specialization: 4 (the second case reused the first's)
-    assert len(triton_launch._COMPILED[id(_axpb_kernel)]) == 4
+    assert len(triton_launch._COMPILED[id(_axpb_kernel)][1]) == 4
 
 
 @pytest.mark.gpu

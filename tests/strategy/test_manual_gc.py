@@ -63,6 +63,20 @@ def test_interval_zero_never_collects_and_a_disabled_collector_stays_off():
         gc.enable()
 
 
+def test_objects_frozen_before_stay_frozen():
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        m = ManualGC(1)
+        m.start()
+        assert not gc.isenabled() and gc.get_freeze_count() == frozen
+        m.step()
+        m.stop()
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match="manual_gc must be None"):
