@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.modules import fused_router, replay
