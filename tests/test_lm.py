@@ -269,6 +269,41 @@ def test_short_training_run_learns_and_logs(tmp_path, pattern_file):
         assert id(moe.experts.w13) not in no_decay_ids
 
 
+class StepLosses(L.Callback):
+    """Each micro-batch's returned losses, and what ``callback_metrics`` holds after it."""
+
+    def __init__(self):
+        self.micro, self.logged = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.micro.append((float(outputs["lm_loss"]), float(outputs["aux_loss"])))
+        m = trainer.callback_metrics
+        self.logged.append(tuple(float(m[k]) if k in m else None for k in ("train_loss", "aux_loss", "z_loss")))
+
+
+def test_train_losses_are_logged_once_per_step_as_the_steps_mean(tmp_path, pattern_file):
+    """With 3 micro-batches per optimizer step, train_loss and aux_loss are the means of the step's micro-batches (as
+    Megatron reports), logged at its last micro-batch; the micro-batches before it leave the logged values alone."""
+    L.seed_everything(0, workers=True)
+    model = MoELanguageModel(preset="tiny", overrides=TRAIN_OVERRIDES, lr=3e-3, warmup_steps=2)
+    data = TokenDataModule(path=pattern_file, seq_length=32, batch_size=4, seed=1)
+    rec = StepLosses()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=3, logger=False,
+                        callbacks=[rec], limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data)
+    assert len(rec.micro) == 12
+    for step in range(4):
+        micro, logged = rec.micro[3 * step:3 * step + 3], rec.logged[3 * step:3 * step + 3]
+        before = rec.logged[3 * step - 1] if step else (None, None, None)
+        assert logged[0] == logged[1] == before  # mid-step: nothing new
+        assert logged[2][0] == pytest.approx(np.mean([lm for lm, _ in micro]), rel=1e-6)
+        assert logged[2][1] + logged[2][2] == pytest.approx(np.mean([a for _, a in micro]), rel=1e-5)
+        assert logged[2][0] != pytest.approx(micro[-1][0], rel=1e-6)  # not the last micro-batch's alone
+
+
 def test_expert_bias_updates_and_counts_reset(tmp_path, pattern_file):
     L.seed_everything(0, workers=True)
     overrides = dict(TRAIN_OVERRIDES, score_function="sigmoid", expert_bias=True, bias_update_rate=1e-3)

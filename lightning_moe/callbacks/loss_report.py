@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -12,11 +14,15 @@ class LossReport(L.Callback):
     def __init__(self, window: int = 10, metric: str = "train_loss"):
         self.window, self.metric = window, metric
         self.history: list[float] = []
+        self._step: Optional[int] = None  # the global step of the last value taken
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._step:  # mid-step (gradient accumulation): no new value yet
+            return
         value = trainer.callback_metrics.get(self.metric)
         # a host read once per step: the demo runs on CPU, and this callback is for demos and tests
-        if value is not None and trainer.is_last_batch is not None:
+        if value is not None:
+            self._step = trainer.global_step
             self.history.append(float(value))
 
     def on_train_end(self, trainer, pl_module) -> None:

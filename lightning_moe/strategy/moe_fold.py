@@ -682,7 +682,7 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
         """In-place all-reduce for ``self.log(sync_dist=True)``: Lightning's ``_sync_ddp`` without its barrier. The
         all-reduce already waits for every rank, and on NCCL a barrier is a host sync that drains the GPU queue once per
-        logged value (per micro-batch for ``train_loss``)."""
+        logged value (once per optimizer step for ``train_loss``)."""
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
         group = dist.group.WORLD if group is None else group
