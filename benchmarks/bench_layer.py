@@ -9,7 +9,8 @@ For each named shape this times, in one process:
   (d) ``--precision fp8-<recipe>[,...]``: (a) and (b) again with the experts' grouped GEMMs in FP8 (``FP8Training``'s
       ``fp8_grouped_mm``; ``fp8-<recipe>-hybrid`` keeps E5M2 gradients), with their speed-up over bf16 from this run.
       FLOPs are counted as in bf16, as Megatron counts them. The FP8 layer fuses its SwiGLU with the quantization
-      where ``FP8Training`` does (``fp8_swiglu.attach``); the bare FP8 block is timed with torch's SwiGLU, the Triton
+      where ``FP8Training`` does (``fp8_swiglu.attach``; its permutes quantize x and dy for the GEMMs unless
+      ``LMOE_FP8_FUSED_PERMUTE=0``); the bare FP8 block is timed with torch's SwiGLU, the Triton
       one, and (``bare_fp8_swiglu``) the fused one, each against bf16's with the same SwiGLU kernel family.
 Throughput counts the expert GEMMs only: ``18 * rows * h * f`` FLOPs (fwd 6·rows·h·f, x3 for fwd+bwd), rows = T*k,
 so ``ratio = bare_ms / layer_ms`` is the layer's throughput as a fraction of the kernel limit.
@@ -334,12 +335,16 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         layer.experts.fc2._mm = lambda x, w, offs, s=spec2: fp8_grouped_mm(x, w, offs, s)
         layer.dispatcher.cfg = dataclasses.replace(cfg, expert_rows_align=spec1.rows_align)
         fused_act = fp8_swiglu_mod.attach(layer.experts, spec1, spec2, device) is not None  # FP8Training's default
+        if fused_act and fp8_swiglu_mod.PERMUTE:  # as FP8Training: the permutes quantize x and dy for the GEMMs
+            layer.dispatcher.fp8_rows = spec1.handoff[0]
         t = time_fn(layer_step, device, args.iters, args.warmup, layer_tensors, args.timer)
         t.update(peak_memory(layer_step, device, layer_tensors))
         t["tflops"] = tflops(flops, t["median_ms"])
         t["swiglu_fused_with_quantization"] = fused_act
+        t["permutes_quantize"] = layer.dispatcher.fp8_rows is not None
         fp8_layers[precision] = t
         fp8_swiglu_mod.detach(layer.experts, spec1, spec2)
+        layer.dispatcher.__dict__.pop("fp8_rows", None)
         del layer.experts.fc1._mm, layer.experts.fc2._mm
         layer.dispatcher.cfg = cfg
 

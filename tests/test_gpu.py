@@ -183,8 +183,9 @@ def test_sharded_checkpoint_round_trip_on_gpu(tmp_path):
 def test_trainer_loop_has_no_host_sync(tmp_path):
     """Whole Trainer steps on one GPU, once warm: bf16-true with fp32 main params, gradient clipping, accumulation,
     the progress bar, ``MoEThroughput`` and ``ExpertLoadMonitor`` with progress-bar values, and ``sync_dist``
-    logging make no synchronising CUDA call but the expert-load report's (``torch.cuda.set_sync_debug_mode``), so the host runs ahead of the GPU
-    through data loading and Lightning's hooks. The bar's ``loss`` is a recent micro-batch's exact loss."""
+    logging make no synchronising CUDA call but the expert-load report's (``torch.cuda.set_sync_debug_mode``), so
+    the host runs ahead of the GPU through data loading and Lightning's hooks. The bar's ``loss`` is a recent step's
+    mean loss."""
     import warnings
 
     import numpy as np
@@ -223,7 +224,10 @@ def test_trainer_loop_has_no_host_sync(tmp_path):
     assert any("expert_load.py" in s for s in syncs), syncs
     assert not [s for s in syncs if "expert_load.py" not in s], syncs
     assert trainer.global_step == 8 and "perf/tokens_per_sec" in trainer.progress_bar_metrics
-    assert trainer.progress_bar_metrics["loss"] in [x.item() for x in lm_losses[-4:]]
+    # the bar shows a recent optimizer step's loss: the mean of its 2 micro-batches (as train_loss), usually a step late
+    last = [x.item() for x in lm_losses[-6:]]  # the last 3 steps' micro-batches
+    step_means = [(last[i] + last[i + 1]) / 2 for i in (0, 2, 4)]
+    assert any(abs(trainer.progress_bar_metrics["loss"] - m) <= 1e-6 * abs(m) for m in step_means), step_means
 
 
 @pytest.mark.parametrize("main_params,fp8", [(True, False), (False, False), (True, True)])

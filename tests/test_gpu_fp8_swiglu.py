@@ -190,3 +190,58 @@ def test_fp8_training_defers_the_bf16_expert_wgrad(tmp_path):
         for n, g in ref.grads.items():
             rel = ((got.grads[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
             assert rel < 1e-5, (name, n, rel)
+
+
+@pytest.mark.parametrize("D", [2048, 4096, 8200])
+def test_permute_gather_quant_gives_the_two_kernels_bits(D):
+    """``triton_fp8_gather.gather_quant``: the permute's gather and ``rowwise_quant`` of its output, bit for bit, at
+    Qwen3's and Mixtral's widths and a wide one (read twice), with holes (padded layouts) and a zero row."""
+    from lightning_moe.modules import triton_fp8_gather as tg
+    from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules import triton_permute as tp
+    g = torch.Generator("cuda").manual_seed(D)
+    x = (torch.randn(700, D, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    x[5] = 0
+    src = torch.randint(0, 700, (5000,), device="cuda", generator=g)
+    src[::97] = -1
+    out, q, s = tg.gather_quant(x, src)
+    ref = tp.gather(x, src)
+    rq, rs = tq.rowwise_quant(ref, inverse=True)
+    _same(out, ref)
+    _same(q, rq)
+    _same(s, rs)
+
+
+@hopper
+def test_fp8_training_with_the_permutes_quantizing(tmp_path, monkeypatch):
+    """The MoE layers' permutes quantize x (the dispatch's gather) and dy (the combine's gather in backward) for the
+    experts' FP8 GEMMs, which take both at every micro-batch (validation and the recompute of ``Recompute(["moe"])``
+    included). Losses and weights are those of the GEMMs' own quantization passes bit for bit, with the FP8 wgrad (its
+    column amaxes then come from a pass of their own) and with ``fp8_wgrad=False``."""
+    from lightning_moe import FP8Training, Recompute
+    from lightning_moe.modules import fp8_swiglu
+    taken = {"input": 0, "grad_out": 0}
+    take = fp8_swiglu.Handoff.take
+
+    def counting(self, which, t):
+        got = take(self, which, t)
+        if got is not None and which in taken:
+            taken[which] += 1
+        return got
+
+    monkeypatch.setattr(fp8_swiglu.Handoff, "take", counting)
+    for fp8_wgrad in (True, False):
+        def fp8():
+            return FP8Training("rowwise", fast_accum="all", fp8_wgrad=fp8_wgrad)
+        monkeypatch.setattr(fp8_swiglu, "PERMUTE", False)
+        ref_losses, ref_state, _ = _fit(tmp_path, [fp8()])
+        assert taken == {"input": 0, "grad_out": 0}
+        monkeypatch.setattr(fp8_swiglu, "PERMUTE", True)
+        for name, callbacks in (("fused", [fp8()]), ("recompute_moe", [fp8(), Recompute(["moe"])])):
+            losses, state, _ = _fit(tmp_path, callbacks)
+            # 3 steps x 2 micro-batches x 2 MoE layers; forwards: also 2 validation batches, and the recomputes
+            assert taken["grad_out"] == 12 and taken["input"] >= 16 + (12 if name == "recompute_moe" else 0), \
+                (fp8_wgrad, name, taken)
+            assert torch.equal(losses, ref_losses), (fp8_wgrad, name)
+            assert all(torch.equal(state[k], v) for k, v in ref_state.items()), (fp8_wgrad, name)
+            taken.update(input=0, grad_out=0)

@@ -16,7 +16,9 @@ which path each GEMM took.
 Where both of an MoE layer's expert GEMMs quantize on the Triton kernels (the rowwise recipe in E4M3 on an H100, no
 ETP, an FFN width that is a multiple of 128), the experts' SwiGLU is fused with their quantization
 (``modules/fp8_swiglu.py``): its forward writes a's FP8 copy for fc2 and its backward dh's for fc1, each in the pass
-that makes them (``LMOE_FP8_FUSED_SWIGLU=0`` turns it off, for comparisons).
+that makes them (``LMOE_FP8_FUSED_SWIGLU=0`` turns it off, for comparisons). There, on one rank, the layer's permutes
+also quantize what they gather: the dispatch x's FP8 copy for fc1, the combine's backward dy's for fc2's dgrad
+(``modules/triton_fp8_gather.py``; ``LMOE_FP8_FUSED_PERMUTE=0`` turns it off).
 
 ``fp8_dispatch=True`` also sends the tokens of the ``alltoall`` dispatcher's dispatch all-to-all in E4M3, one fp32
 scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the bytes of bf16 on the wire.
@@ -151,6 +153,7 @@ class FP8Training(L.Callback):
         self._deferring: list = []  # the experts' specs with a deferred wgrad (and its arenas)
         self._dispatchers: list = []
         self._fused: list = []  # (experts, fc1's spec, fc2's spec) with the FP8-fused SwiGLU
+        self._permuting: list = []  # dispatchers whose permutes quantize for their experts (fp8_rows)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         device = trainer.strategy.root_device
@@ -227,6 +230,8 @@ class FP8Training(L.Callback):
                        + (f"; FP8 token dispatch in {len(dispatchers)} MoE layers" if self.fp8_dispatch else "")
                        + f"; fast accumulation: {self.fast_accum}"
                        + (f"; SwiGLU fused with the quantization in {fused_act} MoE layers" if fused_act else "")
+                       + (f"; x and dy quantized by the permutes in {len(self._permuting)} MoE layers (one rank, "
+                          "no dropped copies)" if self._permuting else "")
                        + ("; weight gradients unquantized (fp8_wgrad=False)" if not self.fp8_wgrad else "")
                        + ("; the experts' wgrad once per optimizer step (defer_expert_wgrad)"
                           if self.defer_expert_wgrad and self.defer_window is None else "")
@@ -250,8 +255,16 @@ class FP8Training(L.Callback):
             prefix = name[:-len(".fc1")]
             if name.endswith(".fc1") and prefix + ".fc2" in specs:
                 experts = pl_module.get_submodule(prefix)
-                if fp8_swiglu.attach(experts, specs[name], specs[prefix + ".fc2"], device) is not None:
-                    self._fused.append((experts, specs[name], specs[prefix + ".fc2"]))
+                hand = fp8_swiglu.attach(experts, specs[name], specs[prefix + ".fc2"], device)
+                if hand is None:
+                    continue
+                self._fused.append((experts, specs[name], specs[prefix + ".fc2"]))
+                # the layer's permutes quantize x and dy for the same GEMMs where their rows feed the experts as they
+                # are (the dispatcher decides at each call: one rank, no dropped copies, no FP8 dispatch rounding)
+                layer = pl_module.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else None
+                if fp8_swiglu.PERMUTE and isinstance(layer, MoELayer) and layer.experts is experts:
+                    layer.dispatcher.fp8_rows = hand
+                    self._permuting.append(layer.dispatcher)
         return len(self._fused)
 
     def _check_defer(self, trainer, grouped: list, device: torch.device) -> None:
@@ -389,6 +402,9 @@ class FP8Training(L.Callback):
         for experts, spec1, spec2 in self._fused:
             fp8_swiglu.detach(experts, spec1, spec2)
         self._fused.clear()
+        for d in self._permuting:
+            d.__dict__.pop("fp8_rows", None)
+        self._permuting.clear()
         for d in self._dispatchers:
             d.__dict__.pop("fp8_dispatch", None)
         self._dispatchers = []

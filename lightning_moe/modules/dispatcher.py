@@ -51,6 +51,10 @@ class DispatchState:
 
 
 class TokenDispatcher:
+    # FP8Training's fp8_swiglu.Handoff for the layer's experts, or None: where the permutes' gathers are the experts'
+    # own input and output gradient (``rows_feed_experts``), they quantize them for the experts' FP8 GEMMs
+    fp8_rows = None
+
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
         self.cfg, self.ctx = cfg, ctx
         self.num_experts, self.topk = cfg.num_experts, cfg.topk
@@ -78,7 +82,8 @@ class TokenDispatcher:
             st = DispatchState(T, o.rows_N.view(T, K), route.probs_TK, route.keep_TK, o.counts_E,
                                has_tail=route.keep_TK is not None)
             st.extra.update(sizes_E=o.sizes_E, holes=align > 1)
-            x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=align > 1, fused=self.fused)
+            x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=align > 1, fused=self.fused,
+                                 quant=self._row_quant(st))
             self.weight_rows(st, route.probs_TK, st.rows_TK, route.keep_TK, x_ND.shape[0], o.src_R)
             return x_ND, st
         # pad to capacity: expert e owns rows [e*C, (e+1)*C); empty slots are zero rows, dropped copies read none
@@ -86,9 +91,23 @@ class TokenDispatcher:
         o = expert_order(experts_N, E, div=K, stride=C, fused=self.fused)
         st = DispatchState(T, o.rows_N.view(T, K), route.probs_TK, route.keep_TK, torch.full_like(o.counts_E, C))
         st.extra.update(holes=True)
-        x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=True, fused=self.fused)
+        x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=True, fused=self.fused,
+                             quant=self._row_quant(st))
         self.weight_rows(st, route.probs_TK, st.rows_TK, route.keep_TK, x_ND.shape[0], o.src_R)
         return x_ND, st
+
+    def rows_feed_experts(self) -> bool:
+        """Whether the rows ``dispatch_preprocess`` gathers reach the experts as they are, and the gradient the combine
+        gathers in backward is their output's: one rank (no exchange), no re-sort, no FP8 dispatch rounding."""
+        return (self.ctx.ep == 1 and self.ctx.etp == 1 and self.experts_read_preprocess()
+                and not getattr(self, "fp8_dispatch", False))
+
+    def _row_quant(self, st: DispatchState):
+        """``fp8_rows`` where this call's gathered rows feed the experts unmasked (no dropped copies: the experts
+        would mask a tail), else None."""
+        if self.fp8_rows is None or st.has_tail or not self.rows_feed_experts():
+            return None
+        return self.fp8_rows
 
     def weight_rows(self, st: DispatchState, probs_TK: torch.Tensor, rows_TK: torch.Tensor,
                     keep_TK: Optional[torch.Tensor], num_rows: int, src_N: torch.Tensor, key: str = "src") -> None:
@@ -115,7 +134,8 @@ class TokenDispatcher:
         the experts applied them."""
         src = st.extra.get("src") if st.probs_applied else None
         return combine_rows(y_ND, st.probs_TK if src is None else None, st.rows_TK, st.keep_TK,
-                            permutation=not st.extra["holes"], fused=self.fused, src_N=src)
+                            permutation=not st.extra["holes"], fused=self.fused, src_N=src,
+                            quant=self._row_quant(st) if src is not None else None)
 
     # ------------------------------------------------------------------ communication steps
     def token_dispatch(self, x_ND: torch.Tensor, st: DispatchState) -> torch.Tensor:

@@ -210,7 +210,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         hand, side = _handoff(spec, tq)
         if side == "fc1":  # for the fused SwiGLU's column amaxes; a dh handoff left from before is stale
             hand.rows, hand.backward = (M, offs, gid_M), None
-        pre = hand.take("forward", x_MK) if side == "fc2" else None  # a, quantized by the fused SwiGLU
+        # a, quantized by the fused SwiGLU; x, by the dispatch's gather (no column amax: backward takes its own)
+        pre = hand.take("forward" if side == "fc2" else "input", x_MK) if side is not None else None
         if pre is not None:
             xq, xs_inv, x_amax = pre
             ctx.x_amax = x_amax if wgrad else None
@@ -250,7 +251,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         tq = _quant_kernels(spec, dy_MN)
         fp8_wgrad = ctx.needs_input_grad[1] and spec.fp8_wgrad
         hand, side = _handoff(spec, tq)
-        pre = hand.take("backward", dy_MN) if side == "fc1" else None  # dh, quantized by the fused SwiGLU
+        # dh, quantized by the fused SwiGLU; dy, by the combine's gather in backward (no column amax, as above)
+        pre = hand.take("backward" if side == "fc1" else "grad_out", dy_MN) if side is not None else None
         if pre is not None:
             dyq, dys_inv, dy_amax = pre
         else:

@@ -1,16 +1,22 @@
 """The experts' SwiGLU fused with the FP8 quantization of what it makes, for the FP8 GEMMs on either side
 (``FP8Training`` swaps it into ``experts.act`` where both of the experts' GEMMs quantize on the Triton kernels):
 
-  fc1 forward    records the rows' experts                                         -> Handoff.rows
+  dispatch       x gathered into expert order, and x's rowwise FP8 copy and scales  -> Handoff.input
+  fc1 forward    takes them for its input, instead of a pass over x; the rows' experts -> Handoff.rows
   act forward    a = SwiGLU(h), and a's rowwise FP8 copy, scales, column amaxes    -> Handoff.forward
   fc2 forward    takes them for its input, instead of a pass over a
-  fc2 backward   da
+  combine bwd    dy gathered back into expert order, and dy's rowwise FP8 copy and scales -> Handoff.grad_out
+  fc2 backward   takes them for its output gradient, instead of a pass over dy
   act backward   dh, and dh's rowwise FP8 copy, scales, column amaxes              -> Handoff.backward
   fc1 backward   takes them for its output gradient, instead of a pass over dh
 
 Each fused kernel reads SwiGLU's inputs once (``triton_fp8_swiglu``): a and dh are no longer read back by a separate
-quantization pass. a, dh, their FP8 copies, scales and amaxes are the unfused path's bits; the row weights' gradient
-(the router's, through ``probs_in_experts``) sums the same terms in another order, so it may differ in its last bits.
+quantization pass. The permutes' gathers (``triton_fp8_gather``; the dispatcher's ``fp8_rows``, where its gathered
+rows are the experts' own input and its combine's gather their output gradient: one rank, no dropped copies) quantize
+the rows they gather, so x and dy are not read back either; their column amaxes (an FP8 wgrad's) then come from a pass
+of their own in backward. a, dh, x, dy, their FP8 copies, scales and amaxes are the unfused path's bits; the row
+weights' gradient (the router's, through ``probs_in_experts``) sums the same terms in another order, so it may differ
+in its last bits.
 A GEMM takes a handoff only for the very tensor it was made for (same storage, shape, strides and version; inference
 tensors have no version); anything else (another caller, an in-place change) quantizes as before. One ``Handoff`` per
 experts module holds at most one of each, dropped when taken or replaced.
@@ -27,6 +33,7 @@ import torch
 from lightning_moe.modules import kernels
 
 ENABLED = os.environ.get("LMOE_FP8_FUSED_SWIGLU", "1") != "0"  # 0: the unfused passes, for comparisons
+PERMUTE = os.environ.get("LMOE_FP8_FUSED_PERMUTE", "1") != "0"  # 0: the permutes do not quantize, for comparisons
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -35,10 +42,13 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 class Handoff:
-    """What the experts' SwiGLU and their two FP8 GEMMs pass each other (above). No parallel state: one per experts
-    module, referenced by its activation and, as ``(handoff, "fc1" | "fc2")``, by its GEMMs' ``FP8Spec.handoff``."""
+    """What the experts' SwiGLU, their two FP8 GEMMs and the MoE layer's permutes pass each other (above). No parallel
+    state: one per experts module, referenced by its activation, as ``(handoff, "fc1" | "fc2")`` by its GEMMs'
+    ``FP8Spec.handoff``, and as ``fp8_rows`` by the layer's dispatcher."""
 
     def __init__(self):
+        self.input: Optional[tuple] = None  # (x, its key, (q, dequantization scales, None)): the dispatch's
+        self.grad_out: Optional[tuple] = None  # (dy, its key, ...): the combine's backward
         self.rows: Optional[tuple] = None  # (M, offs_L int32, gid_M int32) of fc1's last forward
         self.forward: Optional[tuple] = None  # (a, its key, (q, dequantization scales, column amaxes))
         self.backward: Optional[tuple] = None  # (dh, its key, ...)
@@ -76,7 +86,8 @@ class _FP8SwiGLU(torch.autograd.Function):
     def backward(ctx, g_MF):
         from lightning_moe.modules import triton_fp8_swiglu as tsw
         h_M2F, p_M, offs_L, gid_M = ctx.saved_tensors
-        ctx.hand.forward = None  # fc2 has run: a forward handoff left now was never taken (another caller of act)
+        # fc2 has run: a forward handoff left now was never taken (another caller of act), nor a grad_out one
+        ctx.hand.forward = ctx.hand.grad_out = None
         if not ctx.needs_input_grad[0]:  # no dh wanted (fc1 runs no backward to take it): the row weights' only
             from lightning_moe.modules import triton_swiglu
             return None, triton_swiglu.backward(g_MF, h_M2F, p_M)[1], None, None, None, None
@@ -91,6 +102,7 @@ def fp8_swiglu(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], hand: Handoff, 
     Triton kernels run for h, F is a multiple of 128, and fc1's forward just recorded these rows' experts. A rebuild
     in backward (``Recompute(["moe_act"])``: no grad, inside backward) has no fc2 to take its quantization: plain."""
     from lightning_moe.modules.experts import swiglu
+    hand.input = None  # fc1 has run: an input handoff left now was never taken
     rows = hand.take_rows(h_M2F.shape[0]) if h_M2F.ndim == 2 else None
     tsw = kernels.load("triton_fp8_swiglu", h_M2F, fused) if rows is not None else None
     rebuild = not torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1

@@ -23,14 +23,25 @@ def _tk(t: torch.Tensor, fused: bool):
     return kernels.load("triton_permute", t, fused)
 
 
+def _gather(tk, x_TD: torch.Tensor, src_N: torch.Tensor, quant, slot: str) -> torch.Tensor:
+    """``tk.gather``; with ``quant`` (an ``fp8_swiglu.Handoff``), fused with the rows' rowwise FP8 quantization
+    (``triton_fp8_gather``), which it puts into ``quant``'s ``slot`` for the experts' GEMM that reads these rows."""
+    tq = kernels.load("triton_fp8_gather", x_TD) if quant is not None else None
+    if tq is None:
+        return tk.gather(x_TD, src_N)
+    out_ND, q_ND, inv_N1 = tq.gather_quant(x_TD, src_N)
+    quant.put(slot, out_ND, (q_ND, inv_N1, None))
+    return out_ND
+
+
 class _GatherTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, src_N, rows_TK, keep_TK, zero_row: bool, fused: bool):
+    def forward(ctx, x_TD, src_N, rows_TK, keep_TK, zero_row: bool, fused: bool, quant=None):
         ctx.save_for_backward(rows_TK, keep_TK)
         ctx.n_rows, ctx.fused = src_N.numel(), fused
         tk = _tk(x_TD, fused)
         if tk is not None:  # holes (src -1) are written as zeros
-            return tk.gather(x_TD, src_N)
+            return _gather(tk, x_TD, src_N, quant, "input")
         if zero_row:  # src_N == -1 reads a zero row (padded slots nobody fills)
             src_N = torch.where(src_N < 0, x_TD.shape[0], src_N)
             x_TD = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
@@ -42,18 +53,20 @@ class _GatherTokens(torch.autograd.Function):
         T, K = rows_TK.shape
         tk = _tk(g_ND, ctx.fused)
         if tk is not None:  # sum of each token's copies in one pass (dropped copies are never read)
-            return tk.combine_fwd(g_ND, rows_TK, None, keep_TK, g_ND.dtype), None, None, None, None, None
+            return tk.combine_fwd(g_ND, rows_TK, None, keep_TK, g_ND.dtype), None, None, None, None, None, None
         g_TKD = g_ND.index_select(0, rows_TK.reshape(-1).clamp(max=ctx.n_rows - 1)).view(T, K, -1)
         if keep_TK is not None:
             g_TKD = torch.where(keep_TK.unsqueeze(-1), g_TKD, 0)
-        return g_TKD.sum(1), None, None, None, None, None
+        return g_TKD.sum(1), None, None, None, None, None, None
 
 
 def gather_tokens(x_TD: torch.Tensor, src_N: torch.Tensor, rows_TK: torch.Tensor,
-                  keep_TK: Optional[torch.Tensor] = None, zero_row: bool = False, fused: bool = True) -> torch.Tensor:
+                  keep_TK: Optional[torch.Tensor] = None, zero_row: bool = False, fused: bool = True,
+                  quant=None) -> torch.Tensor:
     """``x_TD[src_N]``; the gradient of token t is the sum of the gradients of its (kept) copies. ``zero_row``:
-    ``src_N`` holds -1 for rows that stay zero (the holes of padded layouts)."""
-    return _GatherTokens.apply(x_TD, src_N, rows_TK, keep_TK, zero_row, fused)
+    ``src_N`` holds -1 for rows that stay zero (the holes of padded layouts). ``quant``: an ``fp8_swiglu.Handoff``
+    that gets the rows' rowwise FP8 copy as ``input`` where the Triton kernels run (the experts' fc1 takes it)."""
+    return _GatherTokens.apply(x_TD, src_N, rows_TK, keep_TK, zero_row, fused, quant)
 
 
 class _CombineRows(torch.autograd.Function):
@@ -101,17 +114,18 @@ def _gather_copies(y_ND, rows_TK, keep_TK):
 
 def combine_rows(y_ND: torch.Tensor, probs_TK: Optional[torch.Tensor], rows_TK: torch.Tensor,
                  keep_TK: Optional[torch.Tensor] = None, permutation: bool = True, fused: bool = True,
-                 src_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 src_N: Optional[torch.Tensor] = None, quant=None) -> torch.Tensor:
     """``out[t] = sum_k probs[t, k] * y[rows[t, k]]`` (dropped copies contribute 0).
 
     ``permutation``: ``rows_TK`` covers every row of ``y_ND`` exactly once (false for padded capacity layouts).
     ``probs_TK`` None: the plain sum of the copies (the experts weighted their rows already, ``row_probs``); then
     ``src_N``, the token of each row (-1: none), as ``gather_tokens`` took it, makes the backward that gather, and
     nothing of ``y_ND`` is kept for it. Rows whose copy the sum skips (dropped, or another rank's) still get their
-    token's gradient: the experts never let them reach an output (``GroupedExperts``' tail mask).
+    token's gradient: the experts never let them reach an output (``GroupedExperts``' tail mask). ``quant`` (with
+    ``src_N``): an ``fp8_swiglu.Handoff`` that gets that gather's rowwise FP8 copy as ``grad_out`` (fc2's backward).
     """
     if probs_TK is None:
-        return _SumCopies.apply(y_ND, rows_TK, keep_TK, src_N, fused)
+        return _SumCopies.apply(y_ND, rows_TK, keep_TK, src_N, fused, quant)
     return _CombineRows.apply(y_ND, probs_TK, rows_TK, keep_TK, permutation, fused)
 
 
@@ -119,19 +133,20 @@ class _SumCopies(torch.autograd.Function):
     """The adjoint of ``gather_tokens``: forward is its backward, backward its forward."""
 
     @staticmethod
-    def forward(ctx, y_ND, rows_TK, keep_TK, src_N, fused: bool):
+    def forward(ctx, y_ND, rows_TK, keep_TK, src_N, fused: bool, quant=None):
         ctx.save_for_backward(src_N)
-        ctx.fused = fused
+        ctx.fused, ctx.quant = fused, quant
         return _GatherTokens.backward(_Ctx((rows_TK, keep_TK), y_ND.shape[0], fused), y_ND)[0]
 
     @staticmethod
     def backward(ctx, g_TD):
         (src_N,) = ctx.saved_tensors
         tk = _tk(g_TD, ctx.fused)
+        none = (None,) * 5
         if tk is not None:  # holes (src -1) are written as zeros
-            return tk.gather(g_TD.contiguous(), src_N), None, None, None, None
+            return (_gather(tk, g_TD.contiguous(), src_N, ctx.quant, "grad_out"), *none)
         src_N = torch.where(src_N < 0, g_TD.shape[0], src_N)
-        return torch.cat([g_TD, g_TD.new_zeros(1, g_TD.shape[1])]).index_select(0, src_N), None, None, None, None
+        return (torch.cat([g_TD, g_TD.new_zeros(1, g_TD.shape[1])]).index_select(0, src_N), *none)
 
 
 class _Ctx:

@@ -47,3 +47,31 @@ def test_without_the_kernels_it_is_the_plain_swiglu_and_nothing_is_attached():
     s1, s2 = FP8Spec("rowwise"), FP8Spec("rowwise")
     assert attach(experts, s1, s2, torch.device("cpu")) is None
     assert "_act" not in experts.act.__dict__ and s1.handoff is None and s2.handoff is None
+
+
+def test_the_permutes_quantize_only_where_their_rows_are_the_experts_own():
+    """The dispatcher hands its ``fp8_rows`` to the permutes only on one rank, without dropped copies (the experts
+    mask a tail: new tensors) and without FP8 dispatch rounding; without the kernels (no CUDA, no triton) the
+    permutes put nothing and gather as before. The kernels: ``test_triton_fp8_gather.py`` and the GPU tests."""
+    from lightning_moe import ModelConfig, ParallelContext
+    from lightning_moe.modules.dispatcher import DispatchState, build_dispatcher
+    from lightning_moe.modules.router import TopKRouter
+    cfg = ModelConfig(hidden_size=32, num_experts=4, moe_ffn_hidden_size=16, topk=2)
+    d = build_dispatcher(cfg, ParallelContext.single())
+    plain = DispatchState(6, None, torch.zeros(6, 2), None, torch.zeros(4))
+    tail = DispatchState(6, None, torch.zeros(6, 2), None, torch.zeros(4), has_tail=True)
+    assert d._row_quant(plain) is None  # nothing attached
+    hand = d.fp8_rows = Handoff()
+    assert d.rows_feed_experts() and d._row_quant(plain) is hand and d._row_quant(tail) is None
+    d.fp8_dispatch = True
+    assert not d.rows_feed_experts() and d._row_quant(plain) is None
+    d.fp8_dispatch = False
+    x_TD = torch.randn(6, 32, requires_grad=True)
+    route = TopKRouter(cfg, ParallelContext.single())(x_TD, num_sequences=1)
+    x_ND, st = d.dispatch_preprocess(x_TD, route)
+    st.probs_applied = True
+    d.combine_postprocess(x_ND * 2, st).sum().backward()
+    assert hand.input is None and hand.grad_out is None  # CPU without the interpreter: torch's gathers
+    d.fp8_rows = None
+    ref_ND, _ = d.dispatch_preprocess(x_TD, route)
+    assert torch.equal(x_ND, ref_ND)
