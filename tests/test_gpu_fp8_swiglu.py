@@ -245,3 +245,31 @@ def test_fp8_training_with_the_permutes_quantizing(tmp_path, monkeypatch):
             assert torch.equal(losses, ref_losses), (fp8_wgrad, name)
             assert all(torch.equal(state[k], v) for k, v in ref_state.items()), (fp8_wgrad, name)
             taken.update(input=0, grad_out=0)
+
+
+@hopper
+def test_fp8_training_quantizes_the_attention_input_once(tmp_path, monkeypatch):
+    """``FP8Training``'s dense linears share their input's quantization (``fp8_linear.SharedInput``): q, k and v read
+    one normed x, quantized once instead of three times per layer and micro-batch. Losses and weights are those of
+    ``LMOE_FP8_SHARED_INPUT=0`` bit for bit."""
+    from lightning_moe import FP8Training
+    from lightning_moe.callbacks import fp8_training
+    from lightning_moe.modules import fp8_linear as fl
+    calls = []
+    quantized = fl._quantized
+
+    def counting(spec, name, *args, **kwargs):
+        calls.append(name)
+        return quantized(spec, name, *args, **kwargs)
+
+    monkeypatch.setattr(fl, "_quantized", counting)
+    monkeypatch.setattr(fp8_training, "SHARED_INPUT", False)
+    ref_losses, ref_state, _ = _fit(tmp_path, [FP8Training("rowwise", fast_accum="all", fp8_wgrad=False)])
+    unshared = calls.count("x")
+    calls.clear()
+    monkeypatch.setattr(fp8_training, "SHARED_INPUT", True)
+    losses, state, _ = _fit(tmp_path, [FP8Training("rowwise", fast_accum="all", fp8_wgrad=False)])
+    # k and v take q's: 2 fewer in each of 3 layers at each of the 6 training forwards (and the validation's)
+    assert unshared - calls.count("x") >= 2 * 3 * 6, (calls.count("x"), unshared)
+    assert torch.equal(losses, ref_losses)
+    assert all(torch.equal(state[k], v) for k, v in ref_state.items())

@@ -29,6 +29,7 @@ scale per token (``modules/fp8_dispatch.py``, as DeepEP does): about half the by
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Optional, Sequence, Union
 
 import lightning as L
@@ -40,12 +41,15 @@ from lightning_moe.modules import fp8_grouped_kernels as grouped_kernels
 from lightning_moe.modules.dispatchers import AllToAllDispatcher
 from lightning_moe.modules.fp8 import FAST_ACCUM, RECIPES
 from lightning_moe.modules.fp8_grouped import check_dims, fp8_grouped_mm
-from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+from lightning_moe.modules.fp8_linear import FP8Spec, SharedInput, fp8_linear
 from lightning_moe.modules.kernels import interpreting
 from lightning_moe.modules.moe_layer import MoELayer
 from lightning_moe.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from lightning_moe.strategy import fp8_param_gather as fp8_gather
 from lightning_moe.strategy.main_params import LOW_PRECISION
+
+# 0: each dense FP8 linear quantizes its input itself, also where several read one tensor (for comparisons)
+SHARED_INPUT = os.environ.get("LMOE_FP8_SHARED_INPUT", "1") != "0"
 
 
 class FP8Training(L.Callback):
@@ -154,6 +158,7 @@ class FP8Training(L.Callback):
         self._dispatchers: list = []
         self._fused: list = []  # (experts, fc1's spec, fc2's spec) with the FP8-fused SwiGLU
         self._permuting: list = []  # dispatchers whose permutes quantize for their experts (fp8_rows)
+        self._inputs = SharedInput()  # the dense linears' last quantized input (fp8_linear.SharedInput)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         device = trainer.strategy.root_device
@@ -187,6 +192,8 @@ class FP8Training(L.Callback):
         specs = {}
         for g in targets:
             spec = specs[g.name] = self._spec(g, ctx)
+            if not g.grouped and SHARED_INPUT:  # q, k and v read one x: quantized once
+                spec.inputs = self._inputs
             spec.defer_wgrad = self.defer_expert_wgrad and g.grouped
             spec.defer_window = self.defer_window if spec.defer_wgrad else None
             if spec.defer_wgrad:
@@ -402,6 +409,7 @@ class FP8Training(L.Callback):
         for experts, spec1, spec2 in self._fused:
             fp8_swiglu.detach(experts, spec1, spec2)
         self._fused.clear()
+        self._inputs.held = None
         for d in self._permuting:
             d.__dict__.pop("fp8_rows", None)
         self._permuting.clear()

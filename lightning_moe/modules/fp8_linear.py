@@ -67,6 +67,8 @@ class FP8Spec:
     # the experts' GEMMs around an FP8-fused SwiGLU (``fp8_swiglu.Handoff``, "fc1" or "fc2"): fc1 records its rows'
     # experts and takes dh's quantization in backward, fc2 takes a's in forward
     handoff: Optional[tuple] = None
+    # the dense linears' ``SharedInput`` (FP8Training): linears reading the same input quantize it once
+    inputs: Optional["SharedInput"] = None
 
     def weight_amax(self, w: torch.Tensor) -> Optional[torch.Tensor]:
         """The amaxes of ``w``'s scale blocks (as an (R, C) grid) that the FP8 parameter all-gather quantized its
@@ -119,6 +121,28 @@ class FP8Spec:
         for group in reduce:
             dist.all_reduce(a, dist.ReduceOp.MAX, group=group)
         return a
+
+
+class SharedInput:
+    """The FP8 quantization of the last input a dense FP8 linear quantized, for the next linears that read the very
+    same tensor (the q, k and v projections all read one normed x): one pass over it instead of one per linear. Used
+    only where the quantization depends on nothing but the tensor, the recipe and the format (no amax reduced over
+    ranks, no delayed history). Keyed as ``fp8_swiglu``'s handoff (storage, shape, strides, version); the entry holds
+    the tensor, so that no other tensor can take its memory and match its key while it lives. No parallel state: one
+    per ``FP8Training``."""
+
+    def __init__(self):
+        self.held: Optional[tuple] = None  # (x, its key, the quantization)
+
+    def get(self, x: torch.Tensor, how: tuple, make):
+        from lightning_moe.modules.fp8_swiglu import tensor_key
+        key = (tensor_key(x), how)
+        if self.held is not None and self.held[1] == key:
+            return self.held[2]
+        self.held = None  # the old entry goes before the new one is made
+        out = make()
+        self.held = (x, key, out)
+        return out
 
 
 def _one_pass(x: torch.Tensor, t: Tiling, fmt: str, amax: Optional[torch.Tensor]):
@@ -178,13 +202,18 @@ def _mm_t(spec: FP8Spec, names: tuple[str, str], a_MN, b_MK, roles: tuple[str, s
 
 def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str], fmts: tuple[str, str],
         splits_a: tuple, splits_b: tuple, out_dtype, gemm: str, amax_b: Optional[torch.Tensor] = None,
-        weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weight: Optional[torch.Tensor] = None, shared: Optional[SharedInput] = None) -> torch.Tensor:
     """``amax_b``: the weight's preset amaxes (``FP8Spec.weight_amax``), else reduced as the recipe says. ``weight``:
     ``b`` is made from this weight (``b_NK`` then a function of no arguments that makes it): its quantization is
     cached once per optimizer step (``FP8Spec.cached_weight``), so later micro-batches skip the transpose, the amax
-    and the cast."""
+    and the cast. ``shared``: ``a``'s quantization is shared with the linears that read the same tensor, where it
+    depends on the tensor alone."""
     ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
-    a_q = _quantized(spec, names[0], a_MK, ta, splits_a, fmts[0])
+    if shared is not None and spec.recipe != "delayed" and spec.amax(names[0], a_MK, ta, *splits_a) is None:
+        a_q = shared.get(a_MK, (spec.recipe, fmts[0], ta, spec.emulate),
+                         lambda: _quantized(spec, names[0], a_MK, ta, splits_a, fmts[0]))
+    else:
+        a_q = _quantized(spec, names[0], a_MK, ta, splits_a, fmts[0])
 
     def quantized_b():  # with the GEMM's dequantization scales, made once with a cached weight
         b_q = _quantized(spec, names[1], b_NK() if weight is not None else b_NK, tb, splits_b, fmts[1], amax_b)
@@ -206,7 +235,7 @@ class _FP8Linear(torch.autograd.Function):
         col, row = ("tp" if spec.split == s else None for s in ("out", "in"))
         # x: tokens split over data ranks, K over TP (row-parallel); W: N (column) or K (row) over TP
         y = _mm(spec, ("x", "w"), x_MK, lambda: w_NK, ("input", "weight"), (fwd, fwd), ("data", row), (col, row),
-                x.dtype, "fprop", spec.weight_amax(w_NK), weight=w_NK)
+                x.dtype, "fprop", spec.weight_amax(w_NK), weight=w_NK, shared=spec.inputs)
         return y.reshape(*x.shape[:-1], w_NK.shape[0])
 
     @staticmethod

@@ -36,7 +36,7 @@ ENABLED = os.environ.get("LMOE_FP8_FUSED_SWIGLU", "1") != "0"  # 0: the unfused 
 PERMUTE = os.environ.get("LMOE_FP8_FUSED_PERMUTE", "1") != "0"  # 0: the permutes do not quantize, for comparisons
 
 
-def _key(t: torch.Tensor) -> tuple:
+def tensor_key(t: torch.Tensor) -> tuple:
     # an inference tensor (Lightning's evaluation loops run under inference_mode) tracks no version
     return t.data_ptr(), t.shape, t.stride(), t.dtype, None if t.is_inference() else t._version
 
@@ -55,13 +55,13 @@ class Handoff:
 
     def put(self, which: str, t: torch.Tensor, quantized: tuple) -> None:
         # t itself is held too: while the handoff lives, no other tensor can take its memory and match its key
-        setattr(self, which, (t, _key(t), quantized))
+        setattr(self, which, (t, tensor_key(t), quantized))
 
     def take(self, which: str, t: torch.Tensor) -> Optional[tuple]:
         """The quantization made with ``t``, if ``t`` is what it was made for; dropped either way."""
         held = getattr(self, which)
         setattr(self, which, None)
-        return held[2] if held is not None and held[1] == _key(t) else None
+        return held[2] if held is not None and held[1] == tensor_key(t) else None
 
     def take_rows(self, M: int) -> Optional[tuple]:
         rows, self.rows = self.rows, None

@@ -142,3 +142,45 @@ def test_unquantized_wgrad_into_main_grads(dtype, device):
     assert ((p.main_grad.double() - ref).norm() / ref.norm()).item() < 1e-6
     # the unfused gradient is rounded to bf16 before the hook adds it
     assert ((dw0.double() * 1.5 - ref).norm() / ref.norm()).item() > 1e-4
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
+def test_linears_reading_one_input_quantize_it_once(recipe, monkeypatch):
+    """``FP8Spec.inputs`` (``SharedInput``, FP8Training's for the dense linears): three linears reading the very same
+    tensor (q, k and v) quantize it once and give the unshared linears' outputs and gradients bit for bit; another
+    tensor, or the same one changed in place, is quantized anew; delayed scaling (a history per linear) never shares."""
+    from lightning_moe.modules import fp8_linear as fl
+    calls = []
+    quantized = fl._quantized
+
+    def counting(spec, name, *args, **kwargs):
+        calls.append(name)
+        return quantized(spec, name, *args, **kwargs)
+
+    monkeypatch.setattr(fl, "_quantized", counting)
+    x, w, dy = _data(1)
+    ws = [w, w.flip(0), w * 2]
+
+    def three(shared, x):
+        xr = x.clone().requires_grad_()
+        outs = [fp8_linear(xr, wi.clone().requires_grad_(), FP8Spec(recipe, inputs=shared)) for wi in ws]
+        sum(y * dy for y in outs).sum().backward()
+        return [y.detach() for y in outs], xr.grad
+
+    calls.clear()
+    ref_y, ref_dx = three(None, x)
+    assert calls.count("x") == 3
+    shared = fl.SharedInput()
+    calls.clear()
+    y, dx = three(shared, x)
+    assert calls.count("x") == (3 if recipe == "delayed" else 1)
+    assert all(torch.equal(a, b) for a, b in zip(y, ref_y)) and torch.equal(dx, ref_dx)
+    if recipe == "delayed":
+        return
+    calls.clear()
+    xs = x.clone()
+    fp8_linear(xs, w, FP8Spec(recipe, inputs=shared))
+    fp8_linear(xs, w, FP8Spec(recipe, inputs=shared))
+    xs.mul_(2)  # changed in place: its version moved
+    y2 = fp8_linear(xs, w, FP8Spec(recipe, inputs=shared))
+    assert calls.count("x") == 2 and torch.equal(y2, fp8_linear(xs, w, FP8Spec(recipe)))
