@@ -238,7 +238,7 @@ class FP8Training(L.Callback):
                        + f"; fast accumulation: {self.fast_accum}"
                        + (f"; SwiGLU fused with the quantization in {fused_act} MoE layers" if fused_act else "")
                        + (f"; x and dy quantized by the permutes in {len(self._permuting)} MoE layers (one rank, "
-                          "no dropped copies)" if self._permuting else "")
+                          "no masked tail, no autocast cast)" if self._permuting else "")
                        + ("; weight gradients unquantized (fp8_wgrad=False)" if not self.fp8_wgrad else "")
                        + ("; the experts' wgrad once per optimizer step (defer_expert_wgrad)"
                           if self.defer_expert_wgrad and self.defer_window is None else "")
@@ -267,7 +267,7 @@ class FP8Training(L.Callback):
                     continue
                 self._fused.append((experts, specs[name], specs[prefix + ".fc2"]))
                 # the layer's permutes quantize x and dy for the same GEMMs where their rows feed the experts as they
-                # are (the dispatcher decides at each call: one rank, no dropped copies, no FP8 dispatch rounding)
+                # are (the dispatcher decides at each call: one rank, no masked tail, no FP8 dispatch rounding)
                 layer = pl_module.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else None
                 if fp8_swiglu.PERMUTE and isinstance(layer, MoELayer) and layer.experts is experts:
                     layer.dispatcher.fp8_rows = hand
@@ -392,6 +392,14 @@ class FP8Training(L.Callback):
             spec.step = trainer.global_step
 
     on_train_batch_start = on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _at_step
+
+    def _drop_input(self, *_) -> None:
+        """The forward is over: the last dense linear's input and its FP8 copy need not outlive it (through the
+        backward's peak, or an activation offload's free)."""
+        self._inputs.held = None
+
+    on_before_backward = on_train_batch_end = on_validation_batch_end = on_test_batch_end = _drop_input
+    on_predict_batch_end = _drop_input
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         for spec in self._cached:

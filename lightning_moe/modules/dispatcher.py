@@ -52,7 +52,7 @@ class DispatchState:
 
 class TokenDispatcher:
     # FP8Training's fp8_swiglu.Handoff for the layer's experts, or None: where the permutes' gathers are the experts'
-    # own input and output gradient (``rows_feed_experts``), they quantize them for the experts' FP8 GEMMs
+    # own input and output gradient (``_row_quant``), they quantize them for the experts' FP8 GEMMs
     fp8_rows = None
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
@@ -83,7 +83,7 @@ class TokenDispatcher:
                                has_tail=route.keep_TK is not None)
             st.extra.update(sizes_E=o.sizes_E, holes=align > 1)
             x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=align > 1, fused=self.fused,
-                                 quant=self._row_quant(st))
+                                 quant=self._row_quant(st, x_TD))
             self.weight_rows(st, route.probs_TK, st.rows_TK, route.keep_TK, x_ND.shape[0], o.src_R)
             return x_ND, st
         # pad to capacity: expert e owns rows [e*C, (e+1)*C); empty slots are zero rows, dropped copies read none
@@ -92,7 +92,7 @@ class TokenDispatcher:
         st = DispatchState(T, o.rows_N.view(T, K), route.probs_TK, route.keep_TK, torch.full_like(o.counts_E, C))
         st.extra.update(holes=True)
         x_ND = gather_tokens(x_TD, o.src_R, st.rows_TK, route.keep_TK, zero_row=True, fused=self.fused,
-                             quant=self._row_quant(st))
+                             quant=self._row_quant(st, x_TD))
         self.weight_rows(st, route.probs_TK, st.rows_TK, route.keep_TK, x_ND.shape[0], o.src_R)
         return x_ND, st
 
@@ -102,10 +102,14 @@ class TokenDispatcher:
         return (self.ctx.ep == 1 and self.ctx.etp == 1 and self.experts_read_preprocess()
                 and not getattr(self, "fp8_dispatch", False))
 
-    def _row_quant(self, st: DispatchState):
-        """``fp8_rows`` where this call's gathered rows feed the experts unmasked (no dropped copies: the experts
-        would mask a tail), else None."""
+    def _row_quant(self, st: DispatchState, x: Optional[torch.Tensor] = None):
+        """``fp8_rows`` where this call's gathered rows feed the experts as they are, else None: not where the experts
+        mask a tail (dropless with dropped copies; padded layouts have none, their dropped copies are zero holes),
+        nor where autocast casts ``x`` (bf16-mixed: fc1 gets a new tensor)."""
         if self.fp8_rows is None or st.has_tail or not self.rows_feed_experts():
+            return None
+        if x is not None and torch.is_autocast_enabled(x.device.type) and \
+                x.dtype != torch.get_autocast_dtype(x.device.type):
             return None
         return self.fp8_rows
 

@@ -94,6 +94,9 @@ class AllToAllDispatcher(TokenDispatcher):
 
 
 class AllGatherDispatcher(TokenDispatcher):
+    def rows_feed_experts(self) -> bool:
+        return False  # its gathers run in dispatch_postprocess, which does not quantize for the experts
+
     def dispatch_preprocess(self, x_TD, route):
         st = DispatchState(x_TD.shape[0], None, route.probs_TK, route.keep_TK, route.tokens_per_expert_E)
         st.extra["experts_TK"] = route.experts_TK  # rows are known only after the gather

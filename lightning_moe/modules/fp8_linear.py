@@ -209,11 +209,13 @@ def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str
     and the cast. ``shared``: ``a``'s quantization is shared with the linears that read the same tensor, where it
     depends on the tensor alone."""
     ta, tb = tiling(spec.recipe, roles[0]), tiling(spec.recipe, roles[1])
-    if shared is not None and spec.recipe != "delayed" and spec.amax(names[0], a_MK, ta, *splits_a) is None:
-        a_q = shared.get(a_MK, (spec.recipe, fmts[0], ta, spec.emulate),
-                         lambda: _quantized(spec, names[0], a_MK, ta, splits_a, fmts[0]))
-    else:
+    if shared is None or spec.recipe == "delayed":  # delayed: its history advances inside, once per use
         a_q = _quantized(spec, names[0], a_MK, ta, splits_a, fmts[0])
+    else:
+        amax_a = spec.amax(names[0], a_MK, ta, *splits_a)  # reduced over ranks, once; None: the tensor alone decides
+        quantized_a = functools.partial(_quantized, spec, names[0], a_MK, ta, splits_a, fmts[0], amax_a)
+        a_q = quantized_a() if amax_a is not None else \
+            shared.get(a_MK, (spec.recipe, fmts[0], ta, spec.emulate), quantized_a)
 
     def quantized_b():  # with the GEMM's dequantization scales, made once with a cached weight
         b_q = _quantized(spec, names[1], b_NK() if weight is not None else b_NK, tb, splits_b, fmts[1], amax_b)

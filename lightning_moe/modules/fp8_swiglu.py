@@ -12,7 +12,7 @@
 
 Each fused kernel reads SwiGLU's inputs once (``triton_fp8_swiglu``): a and dh are no longer read back by a separate
 quantization pass. The permutes' gathers (``triton_fp8_gather``; the dispatcher's ``fp8_rows``, where its gathered
-rows are the experts' own input and its combine's gather their output gradient: one rank, no dropped copies) quantize
+rows are the experts' own input and its combine's gather their output gradient: one rank, no masked tail) quantize
 the rows they gather, so x and dy are not read back either; their column amaxes (an FP8 wgrad's) then come from a pass
 of their own in backward. a, dh, x, dy, their FP8 copies, scales and amaxes are the unfused path's bits; the row
 weights' gradient (the router's, through ``probs_in_experts``) sums the same terms in another order, so it may differ

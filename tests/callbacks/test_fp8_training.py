@@ -133,3 +133,49 @@ def test_fast_accumulation_reaches_each_gemm(monkeypatch, fast_accum, expected):
     wq(x).sum().backward()
     assert seen == expected
     cb.teardown(None, lm, "fit")
+
+
+def test_dense_linears_share_their_input_quantization_within_a_forward(tokens, tmp_path, monkeypatch):
+    """FP8Training gives its dense linears one ``SharedInput``: q, k and v quantize their one input once per forward
+    (the same losses as each quantizing it), and the entry is dropped when the forward is over (before backward, after
+    the batch) and at teardown. ``LMOE_FP8_SHARED_INPUT=0`` (``SHARED_INPUT``) turns it off."""
+    from lightning_moe.callbacks import fp8_training
+    from lightning_moe.modules import fp8_linear as fl
+    calls, held = [], []
+    quantized = fl._quantized
+
+    def counting(spec, name, *args, **kwargs):
+        calls.append(name)
+        return quantized(spec, name, *args, **kwargs)
+
+    class Watch(L.Callback):  # after FP8Training: what it left
+        def on_before_backward(self, trainer, pl_module, loss):
+            held.append(cb._inputs.held)
+
+    monkeypatch.setattr(fl, "_quantized", counting)
+    monkeypatch.setattr(fp8_training, "SHARED_INPUT", False)
+    ref = _fit(tokens, str(tmp_path), [FP8Training("rowwise")], steps=3)
+    unshared = calls.count("x")
+    calls.clear()
+    monkeypatch.setattr(fp8_training, "SHARED_INPUT", True)
+    cb = FP8Training("rowwise")
+    losses = _fit(tokens, str(tmp_path), [cb, Watch()], steps=3)
+    assert losses == ref
+    assert unshared - calls.count("x") == 2 * 2 * 3  # k and v take q's: 2 layers, 3 forwards
+    assert len(held) == 3 and not any(held) and cb._inputs.held is None
+
+
+def test_reduced_amaxes_are_reduced_once_and_not_shared(monkeypatch):
+    """Where the input's amax is all-reduced over ranks (tensorwise with data parallelism) the quantization depends on
+    more than the tensor: each linear quantizes it, and its amax is reduced once per linear, as without sharing."""
+    from lightning_moe.modules import fp8_linear as fl
+    reduced = []
+    monkeypatch.setattr(fl.dist, "all_reduce", lambda t, op=None, group=None: reduced.append(group))
+    x, w = torch.randn(64, 128), torch.randn(32, 128)
+    group = object()  # stands in for the data-parallel group
+    for shared in (None, fl.SharedInput()):
+        reduced.clear()
+        for _ in range(2):
+            fl.fp8_linear(x, w, fl.FP8Spec("tensorwise", data_group=group, inputs=shared))
+        assert reduced == [group, group]  # x's amax, once per linear (w is not split)
+        assert shared is None or shared.held is None

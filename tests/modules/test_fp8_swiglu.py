@@ -50,9 +50,10 @@ def test_without_the_kernels_it_is_the_plain_swiglu_and_nothing_is_attached():
 
 
 def test_the_permutes_quantize_only_where_their_rows_are_the_experts_own():
-    """The dispatcher hands its ``fp8_rows`` to the permutes only on one rank, without dropped copies (the experts
-    mask a tail: new tensors) and without FP8 dispatch rounding; without the kernels (no CUDA, no triton) the
-    permutes put nothing and gather as before. The kernels: ``test_triton_fp8_gather.py`` and the GPU tests."""
+    """The dispatcher hands its ``fp8_rows`` to the permutes only on one rank, where the experts mask no tail (a masked
+    tail makes new tensors), autocast does not cast x, and no FP8 dispatch rounds the rows; without the kernels (no
+    CUDA, no triton) the permutes put nothing and gather as before. The kernels: ``test_triton_fp8_gather.py`` and the
+    GPU tests."""
     from lightning_moe import ModelConfig, ParallelContext
     from lightning_moe.modules.dispatcher import DispatchState, build_dispatcher
     from lightning_moe.modules.router import TopKRouter
@@ -67,6 +68,9 @@ def test_the_permutes_quantize_only_where_their_rows_are_the_experts_own():
     assert not d.rows_feed_experts() and d._row_quant(plain) is None
     d.fp8_dispatch = False
     x_TD = torch.randn(6, 32, requires_grad=True)
+    assert d._row_quant(plain, x_TD) is hand
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed: fc1 gets x cast, a new tensor
+        assert d._row_quant(plain, x_TD) is None
     route = TopKRouter(cfg, ParallelContext.single())(x_TD, num_sequences=1)
     x_ND, st = d.dispatch_preprocess(x_TD, route)
     st.probs_applied = True
