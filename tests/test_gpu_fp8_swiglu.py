@@ -254,15 +254,8 @@ def test_fp8_training_quantizes_the_attention_input_once(tmp_path, monkeypatch):
     ``LMOE_FP8_SHARED_INPUT=0`` bit for bit."""
     from lightning_moe import FP8Training
     from lightning_moe.callbacks import fp8_training
-    from lightning_moe.modules import fp8_linear as fl
-    calls = []
-    quantized = fl._quantized
-
-    def counting(spec, name, *args, **kwargs):
-        calls.append(name)
-        return quantized(spec, name, *args, **kwargs)
-
-    monkeypatch.setattr(fl, "_quantized", counting)
+    from tests.modules.test_fp8_linear import count_quantizations
+    calls = count_quantizations(monkeypatch)
     monkeypatch.setattr(fp8_training, "SHARED_INPUT", False)
     ref_losses, ref_state, _ = _fit(tmp_path, [FP8Training("rowwise", fast_accum="all", fp8_wgrad=False)])
     unshared = calls.count("x")

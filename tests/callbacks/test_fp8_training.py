@@ -140,19 +140,14 @@ def test_dense_linears_share_their_input_quantization_within_a_forward(tokens, t
     (the same losses as each quantizing it), and the entry is dropped when the forward is over (before backward, after
     the batch) and at teardown. ``LMOE_FP8_SHARED_INPUT=0`` (``SHARED_INPUT``) turns it off."""
     from lightning_moe.callbacks import fp8_training
-    from lightning_moe.modules import fp8_linear as fl
-    calls, held = [], []
-    quantized = fl._quantized
-
-    def counting(spec, name, *args, **kwargs):
-        calls.append(name)
-        return quantized(spec, name, *args, **kwargs)
+    from tests.modules.test_fp8_linear import count_quantizations
+    held = []
 
     class Watch(L.Callback):  # after FP8Training: what it left
         def on_before_backward(self, trainer, pl_module, loss):
             held.append(cb._inputs.held)
 
-    monkeypatch.setattr(fl, "_quantized", counting)
+    calls = count_quantizations(monkeypatch)
     monkeypatch.setattr(fp8_training, "SHARED_INPUT", False)
     ref = _fit(tokens, str(tmp_path), [FP8Training("rowwise")], steps=3)
     unshared = calls.count("x")

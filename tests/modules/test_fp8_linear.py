@@ -144,20 +144,26 @@ def test_unquantized_wgrad_into_main_grads(dtype, device):
     assert ((dw0.double() * 1.5 - ref).norm() / ref.norm()).item() > 1e-4
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
-def test_linears_reading_one_input_quantize_it_once(recipe, monkeypatch):
-    """``FP8Spec.inputs`` (``SharedInput``, FP8Training's for the dense linears): three linears reading the very same
-    tensor (q, k and v) quantize it once and give the unshared linears' outputs and gradients bit for bit; another
-    tensor, or the same one changed in place, is quantized anew; delayed scaling (a history per linear) never shares."""
+def count_quantizations(monkeypatch) -> list:
+    """The names of the operands ``fp8_linear`` quantizes from now on (its ``_quantized`` calls), in order."""
     from lightning_moe.modules import fp8_linear as fl
-    calls = []
-    quantized = fl._quantized
+    calls, quantized = [], fl._quantized
 
     def counting(spec, name, *args, **kwargs):
         calls.append(name)
         return quantized(spec, name, *args, **kwargs)
 
     monkeypatch.setattr(fl, "_quantized", counting)
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "delayed"])
+def test_linears_reading_one_input_quantize_it_once(recipe, monkeypatch):
+    """``FP8Spec.inputs`` (``SharedInput``, FP8Training's for the dense linears): three linears reading the very same
+    tensor (q, k and v) quantize it once and give the unshared linears' outputs and gradients bit for bit; another
+    tensor, or the same one changed in place, is quantized anew; delayed scaling (a history per linear) never shares."""
+    from lightning_moe.modules import fp8_linear as fl
+    calls = count_quantizations(monkeypatch)
     x, w, dy = _data(1)
     ws = [w, w.flip(0), w * 2]
 
