@@ -444,6 +444,10 @@ def run_one(args, preset: str) -> dict:
             else:
                 per_rank = [mine]
             rec["time_breakdown_per_rank"] = per_rank
+            # the time some kernel ran, per profiled optimizer step (2): what the step would take if the host never
+            # made the GPU wait, for comparing runs on hosts of different speeds
+            rec["gpu_busy_ms_per_step"] = [round(r["window_ms"] * (1 - r["idle_frac"]) / 2, 2) if r else None
+                                           for r in per_rank]
         if device.type == "cuda":
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             rec["peak_mem_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -563,7 +567,9 @@ def main(argv=None) -> dict:
     p.add_argument("--precision", default="bf16-true", choices=["bf16-true", "bf16-mixed"],
                    help="bf16-true: bf16 weights with fp32 main grads/params (MoEFoldStrategy's default for bf16 "
                         "weights); bf16-mixed: autocast over fp32 weights")
-    p.add_argument("--profile", default=None, help="write a torch.profiler kernel table of 2 steps to this path")
+    p.add_argument("--profile", default=None,
+                   help="write a torch.profiler kernel table of 2 steps to this path; the JSON then also has "
+                        "gpu_busy_ms_per_step (the time kernels ran, host waits left out)")
     p.add_argument("--gaps", action="store_true",
                    help="with --profile: record Python stacks and charge each idle gap to the code that launched the "
                         "next kernel (benchmarks/gaps.py); the stacks slow the host, so the breakdown is pessimistic")
