@@ -230,16 +230,19 @@ def test_trainer_loop_has_no_host_sync(tmp_path):
     assert any(abs(trainer.progress_bar_metrics["loss"] - m) <= 1e-6 * abs(m) for m in step_means), step_means
 
 
-@pytest.mark.parametrize("main_params,fp8", [(True, False), (False, False), (True, True)])
-def test_cuda_graphs_match_eager(tmp_path, main_params, fp8):
+@pytest.mark.parametrize("main_params,fp8,fusion", [(True, False, False), (False, False, False), (True, True, False),
+                                                    (True, False, True), (True, True, True)])
+def test_cuda_graphs_match_eager(tmp_path, main_params, fp8, fusion):
     """MoEFoldStrategy(cuda_graphs=True) against eager, the same seed and data, bf16-true: 6 optimizer steps of 2
     micro-batches (gradients accumulate through the graphs' static gradient buffers: into fp32 main grads, or, without
     main params, into param.grad through copies), with clipping, validation in eval mode (eager) in between,
     DeepSeek-style routing (expert bias updated from the graphed counters), a shared expert and a dense first layer.
     float32 weights are refused before training: torch's float32 grouped GEMM cannot be captured. ``fp8``: under
-    FP8Training("rowwise"), whose weight quantization must be replayed with each step's weights (a cached FP8 copy
-    captured at the first step would keep the GEMMs on the first step's weights)."""
+    FP8Training("rowwise"), whose cached FP8 weights the graphs read where they were captured: they must be rewritten
+    there with each step's weights (checked at every batch start). ``fusion``: gradient-accumulation fusion, whose
+    captured wgrad GEMMs add into main grads zeroed at each step's zero_grad."""
     from lightning_moe import FP8Training
+    from lightning_moe.modules import fp8_linear
     import numpy as np
 
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
@@ -251,22 +254,42 @@ def test_cuda_graphs_match_eager(tmp_path, main_params, fp8):
     def fit(graphs):
         losses, graphed = [], []
 
+        fp8_cb = FP8Training("rowwise") if fp8 else None
+        cached = {}  # (spec, operand) -> the cached tensors' addresses at their first check
+
         class Rec(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after FP8Training's (listed first)
+                for spec in fp8_cb._cached if fp8 and graphs else []:  # eager: refreshed lazily, at first use
+                    for name, (step, _, out, make) in spec.weights.items():
+                        assert step == trainer.global_step
+                        for kept, fresh in zip(fp8_linear._leaves(out), fp8_linear._leaves(make()), strict=True):
+                            assert torch.equal(kept, fresh), name  # the current weights' quantization
+                        ptrs = [t.data_ptr() for t in fp8_linear._leaves(out)]
+                        assert cached.setdefault((id(spec), name), ptrs) == ptrs, name  # where it was captured
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses.append(outputs["lm_loss"].detach().clone())
                 graphed.append("forward" in vars(pl_module.model.layers[1]))
 
+            def on_train_end(self, trainer, pl_module):  # what the fusion covered, before the graphs are released
+                sync = trainer.strategy._grad_sync
+                fused.extend([len(sync.fused_params), len(sync._graphed)])
+
         trainer = L.Trainer(accelerator="gpu", devices=1,
-                            # gradient-accumulation fusion (eager only) would round the main grads differently
                             strategy=MoEFoldStrategy(cuda_graphs=graphs, fp32_main_params=main_params,
-                                                     gradient_accumulation_fusion=False),
+                                                     gradient_accumulation_fusion=None if fusion else False),
                             precision=precision, max_steps=6, accumulate_grad_batches=2, gradient_clip_val=1.0,
                             val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                            callbacks=[Rec()] + ([FP8Training("rowwise")] if fp8 else []))
+                            callbacks=([fp8_cb] if fp8 else []) + [Rec()])
+        fused = []
         model = MoELanguageModel(preset="tiny", overrides=ovr, seed=3, lr=3e-3, warmup_steps=1)
         trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=256, batch_size=2))
         state = {k: v.detach().float().cpu() for k, v in model.model.state_dict().items()}
+        if fp8 and graphs:
+            assert cached, "no cached FP8 weight was checked"
+        # the fusion ran where asked, and in the graphs it was captured
+        assert (fused[0] > 0) == fusion and (fused[1] > 0) == (fusion and graphs), fused
         return torch.stack(losses).float().cpu(), state, graphed, trainer.callback_metrics["val_loss"].item()
 
     precision = "32-true"
@@ -280,7 +303,7 @@ def test_cuda_graphs_match_eager(tmp_path, main_params, fp8):
     torch.testing.assert_close(loss_g, loss_e, rtol=2e-3, atol=0)
     assert val_g == pytest.approx(val_e, rel=2e-3)
     worst = max(((state_g[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in state_e.items())
-    print(f"main_params={main_params} fp8={fp8}: max |loss diff| {(loss_g - loss_e).abs().max().item():.3g}, "
+    print(f"main_params={main_params} fp8={fp8} fusion={fusion}: max |loss diff| {(loss_g - loss_e).abs().max().item():.3g}, "
           f"val {abs(val_g - val_e):.3g}, worst param rel-norm diff {worst:.3g}")
     assert worst < 2e-2, worst
     assert not torch.equal(state_e["layers.1.ffn.router.expert_bias"], torch.zeros(8))  # the bias did move

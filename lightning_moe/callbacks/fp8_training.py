@@ -74,8 +74,9 @@ class FP8Training(L.Callback):
             Engine's FP8 weight cache): the experts' for the FP8 grouped kernels, and the dense linears' for their
             forward and (transposed) dgrad GEMMs. The micro-batches of a step, and a validation between steps, reuse
             them. Costs the FP8 copies (two layouts, 2 bytes per weight element) until the next step. Not for the
-            delayed recipe (its amax history advances at every use), nor under ``MoEFoldStrategy(cuda_graphs=True)``
-            (a graph would replay the copy made at its capture; the quantization is captured instead).
+            delayed recipe (its amax history advances at every use). Under ``MoEFoldStrategy(cuda_graphs=True)`` the
+            copies are rewritten in place before each step's first batch, outside the graphs, which read them where
+            they were captured.
         fast_accum: which FP8 GEMMs use Hopper's fast accumulation: ``"fprop"`` (default) the forward ones, as
             Transformer Engine does, with the precise (split) accumulator for dgrad and wgrad; ``"all"`` every one,
             as torchao's MoE training does (about 2x faster backward GEMMs at fine-grained expert shapes, fewer
@@ -170,6 +171,12 @@ class FP8Training(L.Callback):
             # the amax history is a new tensor at every use: a replayed graph would read the one of its capture
             raise ValueError("FP8Training('delayed') with MoEFoldStrategy(cuda_graphs=True): the captured GEMMs cannot "
                              "advance the amax history; use the tensorwise or rowwise recipe, or turn the graphs off")
+        if self.defer_expert_wgrad and getattr(trainer.strategy, "cuda_graphs", False):
+            # the held operands would be the graphs' static buffers, which the next replay overwrites
+            raise ValueError("FP8Training(defer_expert_wgrad=...) with MoEFoldStrategy(cuda_graphs=True): a captured "
+                             "backward cannot hold its micro-batch's wgrad operands for a later pass; leave "
+                             "defer_expert_wgrad off (the wgrad still goes straight into the main grads) or turn "
+                             "the graphs off")
         ctx = getattr(pl_module, "parallel_context", None)
         dispatchers = self._fp8_dispatchers(pl_module) if self.fp8_dispatch else []
         targets = list(gemms(pl_module, self.exclude, self.include_head))
@@ -185,10 +192,9 @@ class FP8Training(L.Callback):
             self._check_strategy_defer(trainer, [g for g in targets if g.grouped], device)
         gathered = []
         self._amaxes = fp8_gather.WeightAmaxes() if sharded is not None else None
-        # under CUDA graphs a cached weight would be captured as it was at the capture and replayed stale: the
-        # quantization stays inside the graphs, replayed with the current weights at every micro-batch
+        # under CUDA graphs the GEMMs read a cached weight where it was at their capture: it is rewritten there, in
+        # place, before each step's first batch (_at_step), not replaced
         graphs = bool(getattr(trainer.strategy, "cuda_graphs", False))
-        cache = self.cache_weights and not graphs
         specs = {}
         for g in targets:
             spec = specs[g.name] = self._spec(g, ctx)
@@ -199,7 +205,8 @@ class FP8Training(L.Callback):
             if spec.defer_wgrad:
                 self._deferring.append(spec)
             swap(g, fp8_linear, fp8_grouped_mm, spec, self._swapped)
-            if cache:
+            if self.cache_weights:
+                spec.in_place = graphs
                 self._cached.append(spec)
             if sharded is not None:
                 spec.presets = self._amaxes
@@ -248,8 +255,8 @@ class FP8Training(L.Callback):
                           if self.recipe == "blockwise" and not emulate and device.type == "cuda"
                           and fp8_deepgemm.unavailable(device) else "")
                        + (f"; {n_gathered} weights all-gathered in FP8 (summed over the ranks)" if sharded else "")
-                       + ("; weights quantized at every micro-batch (no weight cache inside CUDA graphs)"
-                          if self.cache_weights and graphs else ""))
+                       + ("; the weight cache rewritten in place for the CUDA graphs" if self.cache_weights and graphs
+                          else ""))
         if sharded is not None and not n_gathered:
             rank_zero_warn("FP8Training(fp8_param_gather=True): no FP8 weight is all-gathered in this layout (each "
                            "data-parallel group of the weights has one rank, or the distributed optimizer does not "
@@ -296,7 +303,7 @@ class FP8Training(L.Callback):
         if why is None and unfused:
             why = (f"FP8Training(defer_expert_wgrad=True): {unfused[0]}'s weight gradient is not accumulated into a "
                    "main grad by its GEMM; it needs MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with "
-                   "fp32 main grads: precision='bf16-true', the default main params, no cuda_graphs)")
+                   "fp32 main grads: precision='bf16-true', the default main params)")
         # the same answer on every rank (pipeline stages hold different layers): no rank may raise alone
         n_trained, n_bad = _sum_over_ranks(trainer, [len(trained), why is not None], device)
         if not n_trained:
@@ -387,9 +394,12 @@ class FP8Training(L.Callback):
 
     def _at_step(self, trainer, *_) -> None:
         """Before every batch: the weights are those after ``trainer.global_step`` optimizer steps, so a cached
-        quantization of another step is stale."""
+        quantization of another step is stale. Under CUDA graphs it is rewritten now, before the graphs read it."""
         for spec in self._cached:
-            spec.step = trainer.global_step
+            if spec.in_place:
+                spec.refresh(trainer.global_step)
+            else:
+                spec.step = trainer.global_step
 
     on_train_batch_start = on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _at_step
 

@@ -32,6 +32,13 @@ from lightning_moe.modules.kernels import load
 from lightning_moe.modules.wgrad_fusion import sink_for, wgrad_into
 
 
+def _leaves(x) -> list:
+    """The tensors in a nested tuple or list, in order (a cached quantization: values, scales, their inverses)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _leaves(item)] if isinstance(x, (tuple, list)) else []
+
+
 @dataclass
 class FP8Spec:
     """How one layer's GEMMs run in FP8."""
@@ -46,7 +53,10 @@ class FP8Spec:
     # the optimizer step whose weights the quantized-weight cache holds (FP8Training sets it before every batch);
     # None: no caching
     step: Optional[int] = None
-    weights: dict = field(default_factory=dict)  # operand -> (step, weight's data_ptr, quantized tensors)
+    weights: dict = field(default_factory=dict)  # operand -> (step, weight's data_ptr, quantized tensors, make)
+    # under CUDA graphs (FP8Training): a stale cached weight is rewritten in place (``refresh``), never replaced, so the
+    # captured GEMMs, which read it at the address of their capture, see each step's weights
+    in_place: bool = False
     fast_accum: str = "fprop"  # which GEMMs use the kernels' fast accumulation (fp8.FAST_ACCUM)
     # Megatron's fp8_wgrad: False runs the weight-gradient GEMMs on the unquantized operands (the activations' dtype,
     # fp32 accumulation) while forward and dgrad stay in FP8
@@ -82,16 +92,35 @@ class FP8Spec:
     def cached_weight(self, name: str, w: torch.Tensor, make):
         """``make()``, the quantized weight operand ``name``, made once per optimizer step: the micro-batches of a step
         (and a validation between steps) see the same weights, as Transformer Engine caches FP8 weights. Not for
-        delayed scaling, whose amax history advances at every use, nor without a step (outside FP8Training)."""
+        delayed scaling, whose amax history advances at every use, nor without a step (outside FP8Training). With
+        ``in_place`` a new step's copy is written over the old one's tensors (``refresh``)."""
         if self.step is None or self.recipe == "delayed":
             return make()
         hit = self.weights.get(name)
-        if hit is not None and hit[0] == self.step and hit[1] == w.data_ptr():
+        if hit is not None and hit[1] == w.data_ptr() and (hit[0] == self.step or self.in_place):
+            if hit[0] != self.step:
+                self._rewrite(name, hit)
             return hit[2]
         self.weights.pop(name, None)  # the old step's copy goes before the new one is made
         out = make()
-        self.weights[name] = (self.step, w.data_ptr(), out)
+        self.weights[name] = (self.step, w.data_ptr(), out, make)
         return out
+
+    @torch.no_grad()
+    def refresh(self, step: int) -> None:
+        """The weights are now those after ``step`` optimizer steps: rewrite every cached quantization made before, in
+        place (``in_place``; FP8Training calls this before a step's first batch, outside the graphs that read them)."""
+        self.step = step
+        for name, hit in list(self.weights.items()):
+            if hit[0] != step:
+                self._rewrite(name, hit)
+
+    @torch.no_grad()
+    def _rewrite(self, name: str, hit: tuple) -> None:
+        _, ptr, out, make = hit
+        for old, new in zip(_leaves(out), _leaves(make()), strict=True):
+            old.copy_(new)
+        self.weights[name] = (self.step, ptr, out, make)
 
     def formats(self) -> tuple[str, str]:
         """(format of inputs and weights, format of gradients)."""

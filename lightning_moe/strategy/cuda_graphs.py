@@ -12,7 +12,10 @@ How: ``torch.cuda.make_graphed_callables`` over all blocks at once (one shared m
 batch, with that batch's shapes. Calls with another shape, in eval mode, or without grad run eagerly. The warm-up
 iterations' writes to buffers (routing counters) are undone. The graphs return their parameter gradients in static
 buffers that the next replay overwrites (pytorch/pytorch#181723): with fp32 main grads the strategy's hook consumes
-each one at once, and otherwise a hook hands autograd a copy.
+each one at once, and otherwise a hook hands autograd a copy. With gradient-accumulation fusion the captured wgrad
+GEMMs add straight into the main grads, which GradSync zeroes at each step's ``zero_grad`` (a replay cannot choose
+between writing and adding), and their weights' static gradients are placeholders the hook drops unread. FP8Training's
+weight cache is rewritten in place before each step's first batch, so the replayed GEMMs read the current weights.
 """
 
 from __future__ import annotations

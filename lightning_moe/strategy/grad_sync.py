@@ -36,6 +36,11 @@ from lightning_moe.strategy.flat_shards import bucket_layout, owned_slice
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a GEMM writing ``t`` is being captured in a CUDA graph (``MoEFoldStrategy(cuda_graphs=True)``)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def is_expert_param(p: torch.Tensor) -> bool:
     return bool(getattr(p, "is_expert", False))
 
@@ -93,6 +98,8 @@ class GradSync:
         self._seen: set[int] = set()  # params that received a gradient since the last finish() (main_grads mode)
         self.had_main_grad: set[int] = set()  # the same set, frozen by finish() for the optimizer step
         self._fused: set[int] = set()  # params whose wgrad GEMM wrote main_grad since their hook last fired
+        # params whose wgrad GEMM was captured in a CUDA graph: each replay adds into main_grad, zeroed by discard()
+        self._graphed: dict[int, torch.nn.Parameter] = {}
         # defer_wgrad: param id -> (param, run, held operands of this step's micro-batches), and the params whose
         # hook is due to drop a placeholder without main_grad written
         self._deferred: dict[int, tuple] = {}
@@ -158,8 +165,12 @@ class GradSync:
         """Every bucket, per group in a fixed order (the same on every rank)."""
         return [b for state in self.groups.values() for b in state.buckets]
 
+    @torch.no_grad()
     def discard(self) -> None:
-        """Forget the main grads accumulated so far (the optimizer's ``zero_grad``): the next gradient overwrites."""
+        """Forget the main grads accumulated so far (the optimizer's ``zero_grad``): the next gradient overwrites,
+        except a captured GEMM's, which adds: those main grads are zeroed here."""
+        for p in self._graphed.values():
+            p.main_grad.zero_()
         self._seen.clear()
         self._fused.clear()
         self._deferred.clear()
@@ -168,6 +179,7 @@ class GradSync:
     def release(self) -> None:
         """Drop the hooks and the main-grad buffers (end of training)."""
         self.remove_hooks()
+        self._graphed.clear()
         self.discard()
         for p in self.params:
             wgrad_fusion.detach(p)
@@ -203,10 +215,19 @@ class GradSync:
     def accumulate_wgrad(self, p: torch.nn.Parameter, write) -> None:
         """A fused GEMM's backward: ``write(p.main_grad, first)`` puts (``first``) or adds this micro-batch's weight
         gradient there; the first gradient of a step overwrites, as the hook's copy would (a weight used twice in one
-        backward adds its second)."""
+        backward adds its second). Captured in a CUDA graph it always adds, since every replay repeats it, into a main
+        grad that ``discard`` zeroes; p's hook then drops each replay's placeholder gradient."""
+        if _capturing(p.main_grad):
+            write(p.main_grad, False)
+            self._graphed[id(p)] = p
+            return
         first = id(p) not in self._seen and id(p) not in self._fused
         write(p.main_grad, first)
         self._fused.add(id(p))
+
+    def graphs_released(self) -> None:
+        """The captured GEMMs are gone: their weights' wgrads run eagerly again (overwriting at a step's first)."""
+        self._graphed.clear()
 
     def defer_wgrad(self, p: torch.nn.Parameter, held, run, window: Optional[int] = None) -> None:
         """A fused GEMM's backward whose weight gradient can wait for the step's last backward: ``held`` (this
@@ -216,6 +237,9 @@ class GradSync:
         and leaves main_grad as it is. ``finish`` runs what is still held (a last backward that never reached p).
         ``window``: hold at most that many micro-batches; the backward that fills it runs them (bounding what is
         held, at one more pass over the main grad per window)."""
+        if _capturing(p.main_grad):
+            raise RuntimeError("GradSync.defer_wgrad inside a CUDA graph capture: the held operands would be the "
+                               "graph's static buffers (MoEFoldStrategy refuses defer_expert_wgrad with cuda_graphs)")
         self._deferred_any = True
         helds = self._deferred.setdefault(id(p), (p, run, []))[2]
         helds.append(held)
@@ -264,6 +288,8 @@ class GradSync:
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
             if id(p) in self._fused:  # already in main_grad: p.grad is the fused GEMM's unread placeholder
                 self._fused.discard(id(p))
+                self._seen.add(id(p))
+            elif id(p) in self._graphed:  # a graph replay added it there: p.grad is the graph's placeholder
                 self._seen.add(id(p))
             elif id(p) in self._seen:
                 p.main_grad.add_(p.grad)

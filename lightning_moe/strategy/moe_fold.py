@@ -165,9 +165,10 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             dense linears (attention and MLA projections, dense FFN, shared experts, an untied head) and of the experts
             write their fp32 result straight into the main grads, first micro-batch of a step, or add it there
             (cuBLAS's epilogue for the linears, a Triton grouped GEMM's for the experts), so no bf16 gradient is
-            written and read back (``modules/wgrad_fusion.py``, which says what it does not cover and why). None
-            (default): on wherever main grads exist (``precision="bf16-true"``), except inside CUDA graphs. True where
-            it cannot apply is refused.
+            written and read back (``modules/wgrad_fusion.py``, which says what it does not cover and why). Inside
+            CUDA graphs the captured GEMMs always add, into main grads zeroed at the step's ``zero_grad``. None
+            (default): on wherever main grads exist (``precision="bf16-true"``). True where it cannot apply is
+            refused.
         fused_optimizer_writeback: torch's Adam/AdamW on the fp32 main params and the write-back of the bf16 weights in
             one Triton kernel per parameter (``strategy/fused_adam.py``; Transformer Engine's FusedAdam with master
             weights): 30 instead of 34 bytes per parameter and step. The optimizer's state, hooks, LR schedulers and
@@ -185,7 +186,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             runs (2 bytes per routed token and feature of both expert GEMMs, per micro-batch). Float32 sums in another
             order, not the same bits. Held inputs stay on the GPU until their window runs, so they also cancel what
             ``ActivationOffload("expert_fc1")`` or ``Recompute(["moe_act"])`` would save on them. Needs
-            gradient-accumulation fusion (bf16 weights, no cuda_graphs); refused, naming why, where it is off.
+            gradient-accumulation fusion (bf16 weights), and no cuda_graphs (a captured backward cannot hold its
+            operands); refused, naming why.
             ``FP8Training(defer_expert_wgrad=...)`` sets the FP8 experts' own (their FP8 wgrad); FP8Training refuses
             this option where its experts' wgrad would not take it, and a rank whose experts deferred nothing in the
             first step warns.
@@ -722,6 +724,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         if self._graphs is not None:
             release_blocks(*self._graphs)
             self._graphs = None
+            if self._grad_sync is not None:
+                self._grad_sync.graphs_released()
         self._teardown_optimizer_state()
         super().teardown()
 

@@ -60,9 +60,9 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
     if not options.sharded:
         main = MainParams(optimizers) if use_main else None
         fuse_steps(optimizers, main, options.fused_optimizer_writeback, device)
-        fuse = options.fuse_wgrad(bool(use_main), cuda_graphs)
+        fuse = options.fuse_wgrad(bool(use_main))
         sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main, fuse_wgrad=fuse)
-        sync.expert_deferral = options.expert_deferral(fuse)
+        sync.expert_deferral = options.expert_deferral(fuse, cuda_graphs)
         return sync, main, None
     if len(optimizers) != 1:
         raise ValueError(f"MoEFoldStrategy's distributed / precision-aware / offloaded optimizer drives one optimizer, "
@@ -70,10 +70,10 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
     if options.cpu_offload > 0:
         check_pinned_memory(device, options.cpu_offload)
     # flat gradient buffers in the dtype the optimizer steps: fp32 with main params, else the weights' own
-    fuse = options.fuse_wgrad(True, cuda_graphs)
+    fuse = options.fuse_wgrad(True)
     sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=True, shard=options.distributed,
                     grad_dtype=torch.float32 if use_main else None, fuse_wgrad=fuse)
-    sync.expert_deferral = options.expert_deferral(fuse)
+    sync.expert_deferral = options.expert_deferral(fuse, cuda_graphs)
     sharded = ShardedOptimizer(module, optimizers[0], sync, ctx, options, bool(use_main), device)
     fuse_sharded(sharded, options.fused_optimizer_writeback, device)
     return sync, None, sharded

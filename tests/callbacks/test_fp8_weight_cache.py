@@ -35,6 +35,56 @@ def test_cached_weight_is_made_once_per_step_and_weight():
     assert len(calls) == 7 and not delayed.weights
 
 
+def test_in_place_cache_rewrites_the_same_tensors_at_a_new_step():
+    """Under CUDA graphs (``in_place``): a new step's quantization is written over the old one's tensors, nested as
+    the GEMMs keep them, so a captured GEMM that reads them where they were sees the new weights. ``refresh`` does
+    it for every entry before the step's first batch; a hit at the same step makes nothing."""
+    w = torch.randn(4, 6)
+    spec, calls = FP8Spec("rowwise", step=0, in_place=True), []
+
+    def make():
+        calls.append(1)
+        q = (w * 2).t()  # a transposed view, as the grouped GEMMs keep their column-major copy
+        return (q, w.abs().amax(1)), w.sum().reshape(1)
+
+    first = spec.cached_weight("w", w, make)
+    leaves = [first[0][0], first[0][1], first[1]]
+    ptrs = [t.data_ptr() for t in leaves]
+    assert spec.cached_weight("w", w, make) is first and len(calls) == 1
+    w.mul_(-3)  # the optimizer's step, in place
+    spec.step = 1  # a lazy hit at a new step (an eager call before any refresh) rewrites too
+    assert spec.cached_weight("w", w, make) is first and len(calls) == 2  # made once more, then copied over
+    assert [t.data_ptr() for t in leaves] == ptrs
+    assert torch.equal(first[0][0], (w * 2).t()) and torch.equal(first[1], w.sum().reshape(1))
+    spec.cached_weight("w_t", w, make)
+    w.add_(1)
+    spec.refresh(2)
+    assert spec.step == 2 and all(hit[0] == 2 for hit in spec.weights.values())
+    assert torch.equal(first[0][1], w.abs().amax(1)) and torch.equal(spec.weights["w_t"][2][1], w.sum().reshape(1))
+    n = len(calls)
+    spec.refresh(2)  # nothing stale: nothing made
+    assert len(calls) == n
+    eager = FP8Spec("rowwise", step=0)  # outside graphs a new step's copy replaces the old (freed first)
+    old = eager.cached_weight("w", w, make)
+    eager.step = 1
+    assert eager.cached_weight("w", w, make)[1] is not old[1]
+
+
+def test_callback_refreshes_in_place_under_cuda_graphs_before_every_batch():
+    """FP8Training under ``cuda_graphs``: the step's batch start rewrites each cached copy where it is (outside the
+    graphs), so the replayed forward of the next micro-batch reads the new weights."""
+    spec, w = FP8Spec("rowwise", in_place=True), torch.ones(3)
+    cb = FP8Training("rowwise")
+    cb._cached = [spec]
+    cb.on_train_batch_start(SimpleNamespace(global_step=0), None, None, 0)
+    kept = spec.cached_weight("w", w, lambda: w * 2)
+    w.fill_(5.0)
+    cb.on_train_batch_start(SimpleNamespace(global_step=0), None, None, 1)  # the same step: kept as it is
+    assert torch.equal(kept, torch.full((3,), 2.0))
+    cb.on_train_batch_start(SimpleNamespace(global_step=1), None, None, 2)
+    assert torch.equal(kept, torch.full((3,), 10.0)) and spec.weights["w"][0] == 1
+
+
 def test_callback_sets_the_step_before_every_batch_and_clears_at_teardown():
     lm = _lm()
     cb = FP8Training("rowwise")
@@ -45,17 +95,21 @@ def test_callback_sets_the_step_before_every_batch_and_clears_at_teardown():
     assert all(s.step == 3 for s in specs)
     cb.on_validation_batch_start(SimpleNamespace(global_step=4), lm, None, 0, 0)
     assert all(s.step == 4 for s in specs)
-    specs[0].weights["w"] = (4, 0, None)
+    specs[0].weights["w"] = (4, 0, None, None)
     cb.teardown(None, lm, "fit")
     assert all(s.step is None and not s.weights for s in specs) and not cb._cached
     off = FP8Training("rowwise", cache_weights=False)
     _start(off, _lm())
     assert not off._cached
-    # under CUDA graphs no cache: a captured graph would replay the FP8 copy made at its capture, stale after a step
+    # under CUDA graphs the cache is rewritten in place: a captured graph reads the copy where it was at its capture
     graphs = FP8Training("rowwise")
     graphs.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), cuda_graphs=True)),
                         _lm())
-    assert not graphs._cached
+    assert graphs._cached and all(s.in_place for s in graphs._cached) and not any(s.in_place for s in specs)
+    # its deferred wgrad would hold the graphs' static buffers, which the next replay overwrites: refused
+    with pytest.raises(ValueError, match=r"defer_expert_wgrad=...\) with MoEFoldStrategy\(cuda_graphs=True\)"):
+        FP8Training("rowwise", defer_expert_wgrad=True).on_fit_start(
+            SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), cuda_graphs=True)), _lm())
     # the delayed recipe's amax history advances in Python at every use, which a replayed graph would not: refused
     with pytest.raises(ValueError, match="amax history"):
         FP8Training("delayed").on_fit_start(

@@ -95,6 +95,50 @@ def test_a_weight_used_twice_in_one_backward_adds_both():
     torch.testing.assert_close(col.weight.main_grad, want, rtol=1e-6, atol=1e-6)
 
 
+def test_captured_wgrad_adds_into_main_grads_that_zero_grad_zeroes(monkeypatch):
+    """Under CUDA graphs a captured backward replays as it was captured, so its fused GEMMs cannot choose between
+    writing (a step's first micro-batch) and adding: they always add, GradSync zeroes those main grads at zero_grad
+    (``discard``), and the hook drops each replay's placeholder gradient. Emulated on the CPU by running every backward
+    as the capture does (the same GEMMs, then the same hook, as a replay gives), over main grads left stale: the sums
+    are the eager run's, bit for bit, step after step."""
+    from lightning_moe.strategy import grad_sync as gs
+    eager, *_ = _run(True)
+    col, row = _pair()
+    sync = GradSync(list(col.parameters()) + list(row.parameters()), ParallelContext.single(), main_grads=True,
+                    fuse_wgrad=True)
+    monkeypatch.setattr(gs, "_capturing", lambda t: True)
+    for p in (col.weight, row.weight):
+        p.main_grad.fill_(7.0)  # stale
+    x, dy = _micro()[0]
+    x = x.clone().requires_grad_()
+    # the capture, before the first step's zero_grad: autograd.grad, as make_graphed_callables runs it (no hooks)
+    torch.autograd.grad(row(col(x)), (x, col.weight, row.weight), dy)
+    for step in range(2):
+        sync.discard()  # Lightning's zero_grad, before the step's first backward
+        for i, (x, dy) in enumerate(_micro()):
+            if i == 2:
+                sync.arm()
+            row(col(x.clone().requires_grad_())).backward(dy)
+        sync.finish()
+        assert torch.equal(col.weight.main_grad, eager[step][0][0])
+        assert torch.equal(row.weight.main_grad, eager[step][0][1])
+        assert col.weight.grad is None and row.weight.grad is None  # placeholders dropped unread
+        assert {id(col.weight), id(row.weight)} <= sync.had_main_grad
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        sync.defer_wgrad(col.weight, None, None)
+    monkeypatch.setattr(gs, "_capturing", lambda t: False)
+    sync.graphs_released()  # eager again: the step's first micro-batch overwrites, no zeroing needed
+    col.weight.main_grad.fill_(7.0)
+    sync.discard()
+    assert torch.equal(col.weight.main_grad, torch.full_like(col.weight.main_grad, 7.0))
+    for i, (x, dy) in enumerate(_micro()):
+        if i == 2:
+            sync.arm()
+        row(col(x.clone().requires_grad_())).backward(dy)
+    sync.finish()
+    assert torch.equal(col.weight.main_grad, eager[0][0][0])
+
+
 def test_no_sink_without_fusion_and_release_detaches():
     _, sync, col, row = _run(False, steps=1)
     assert not sync.fused_params and not hasattr(col.weight, "main_grad_sink")
@@ -107,12 +151,11 @@ def test_no_sink_without_fusion_and_release_detaches():
 def test_options_refuse_what_cannot_apply():
     on = OptimizerOptions(gradient_accumulation_fusion=True)
     with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True\) needs main grads"):
-        on.fuse_wgrad(main_grads=False, cuda_graphs=False)
-    with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True\) cannot run with cuda_graphs=True"):
-        on.fuse_wgrad(main_grads=True, cuda_graphs=True)
+        on.fuse_wgrad(main_grads=False)
+    assert on.fuse_wgrad(main_grads=True)  # CUDA graphs included (the captured GEMMs add)
     auto = OptimizerOptions()
-    assert auto.fuse_wgrad(True, False) and not auto.fuse_wgrad(False, False) and not auto.fuse_wgrad(True, True)
-    assert not OptimizerOptions(gradient_accumulation_fusion=False).fuse_wgrad(True, False)
+    assert auto.fuse_wgrad(True) and not auto.fuse_wgrad(False)
+    assert not OptimizerOptions(gradient_accumulation_fusion=False).fuse_wgrad(True)
     with pytest.raises(ValueError, match=r"gradient_accumulation_fusion='yes'\): must be True, False or None"):
         OptimizerOptions.parse(False, True, None, None, None, None, 0.0, gradient_accumulation_fusion="yes")
     with pytest.raises(ValueError, match="fuse_wgrad=True\\) needs main_grads=True"):
@@ -282,6 +325,9 @@ def test_defer_expert_wgrad_options():
     assert parse(False).expert_deferral(False) == (False, None)
     with pytest.raises(ValueError, match=r"defer_expert_wgrad=4\) needs gradient-accumulation fusion"):
         parse(4).expert_deferral(False)
+    assert parse(False).expert_deferral(True, cuda_graphs=True) == (False, None)
+    with pytest.raises(ValueError, match=r"defer_expert_wgrad=True\) cannot run with cuda_graphs=True"):
+        parse(True).expert_deferral(True, cuda_graphs=True)
 
 
 @pytest.mark.parametrize("defer", [True, 2])
