@@ -231,7 +231,8 @@ def test_trainer_loop_has_no_host_sync(tmp_path):
 
 
 @pytest.mark.parametrize("main_params,fp8,fusion", [(True, False, False), (False, False, False), (True, True, False),
-                                                    (True, False, True), (True, True, True)])
+                                                    (True, False, True), (True, True, True), (True, False, "defer"),
+                                                    (True, True, "defer")])
 def test_cuda_graphs_match_eager(tmp_path, main_params, fp8, fusion):
     """MoEFoldStrategy(cuda_graphs=True) against eager, the same seed and data, bf16-true: 6 optimizer steps of 2
     micro-batches (gradients accumulate through the graphs' static gradient buffers: into fp32 main grads, or, without
@@ -240,7 +241,9 @@ def test_cuda_graphs_match_eager(tmp_path, main_params, fp8, fusion):
     float32 weights are refused before training: torch's float32 grouped GEMM cannot be captured. ``fp8``: under
     FP8Training("rowwise"), whose cached FP8 weights the graphs read where they were captured: they must be rewritten
     there with each step's weights (checked at every batch start). ``fusion``: gradient-accumulation fusion, whose
-    captured wgrad GEMMs add into main grads zeroed at each step's zero_grad."""
+    captured wgrad GEMMs add into main grads zeroed at each step's zero_grad; ``"defer"``: with the experts' bf16
+    wgrad deferred to the step's last micro-batch (the strategy's option; FP8Training's with ``fp8_wgrad=False``),
+    whose captured operands go into slots per micro-batch."""
     from lightning_moe import FP8Training
     from lightning_moe.modules import fp8_linear
     import numpy as np
@@ -254,7 +257,9 @@ def test_cuda_graphs_match_eager(tmp_path, main_params, fp8, fusion):
     def fit(graphs):
         losses, graphed = [], []
 
-        fp8_cb = FP8Training("rowwise") if fp8 else None
+        defer = fusion == "defer"
+        fp8_cb = (FP8Training("rowwise", fp8_wgrad=False, defer_expert_wgrad=True) if defer else
+                  FP8Training("rowwise")) if fp8 else None
         cached = {}  # (spec, operand) -> the cached tensors' addresses at their first check
 
         class Rec(L.Callback):
@@ -273,11 +278,12 @@ def test_cuda_graphs_match_eager(tmp_path, main_params, fp8, fusion):
 
             def on_train_end(self, trainer, pl_module):  # what the fusion covered, before the graphs are released
                 sync = trainer.strategy._grad_sync
-                fused.extend([len(sync.fused_params), len(sync._graphed)])
+                fused.extend([len(sync.fused_params), len(sync._graphed), len(sync._slots)])
 
         trainer = L.Trainer(accelerator="gpu", devices=1,
                             strategy=MoEFoldStrategy(cuda_graphs=graphs, fp32_main_params=main_params,
-                                                     gradient_accumulation_fusion=None if fusion else False),
+                                                     gradient_accumulation_fusion=None if fusion else False,
+                                                     defer_expert_wgrad=defer and not fp8),
                             precision=precision, max_steps=6, accumulate_grad_batches=2, gradient_clip_val=1.0,
                             val_check_interval=4, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
@@ -288,8 +294,9 @@ def test_cuda_graphs_match_eager(tmp_path, main_params, fp8, fusion):
         state = {k: v.detach().float().cpu() for k, v in model.model.state_dict().items()}
         if fp8 and graphs:
             assert cached, "no cached FP8 weight was checked"
-        # the fusion ran where asked, and in the graphs it was captured
-        assert (fused[0] > 0) == fusion and (fused[1] > 0) == (fusion and graphs), fused
+        # the fusion ran where asked, and in the graphs it was captured; the deferred wgrad went through slots
+        assert (fused[0] > 0) == bool(fusion) and (fused[1] > 0) == bool(fusion and graphs), fused
+        assert (fused[2] > 0) == (defer and graphs), fused
         return torch.stack(losses).float().cpu(), state, graphed, trainer.callback_metrics["val_loss"].item()
 
     precision = "32-true"

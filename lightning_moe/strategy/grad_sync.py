@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning_moe.modules import wgrad_fusion
 from lightning_moe.strategy.comm import reduce_scatter_flat
 from lightning_moe.strategy.flat_shards import bucket_layout, owned_slice
+from lightning_moe.strategy.graph_deferral import HeldSlots
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 
@@ -100,6 +101,10 @@ class GradSync:
         self._fused: set[int] = set()  # params whose wgrad GEMM wrote main_grad since their hook last fired
         # params whose wgrad GEMM was captured in a CUDA graph: each replay adds into main_grad, zeroed by discard()
         self._graphed: dict[int, torch.nn.Parameter] = {}
+        # ... and those whose deferred wgrad was: the slots its replays fill (graph_deferral.py); the micro-batches of a
+        # step, set by MoEFoldStrategy before it captures (None: no capture)
+        self._slots: dict[int, HeldSlots] = {}
+        self.graph_window: Optional[int] = None
         # defer_wgrad: param id -> (param, run, held operands of this step's micro-batches), and the params whose
         # hook is due to drop a placeholder without main_grad written
         self._deferred: dict[int, tuple] = {}
@@ -171,6 +176,8 @@ class GradSync:
         except a captured GEMM's, which adds: those main grads are zeroed here."""
         for p in self._graphed.values():
             p.main_grad.zero_()
+        for slots in self._slots.values():
+            slots.reset()
         self._seen.clear()
         self._fused.clear()
         self._deferred.clear()
@@ -179,7 +186,7 @@ class GradSync:
     def release(self) -> None:
         """Drop the hooks and the main-grad buffers (end of training)."""
         self.remove_hooks()
-        self._graphed.clear()
+        self.graphs_released()
         self.discard()
         for p in self.params:
             wgrad_fusion.detach(p)
@@ -228,6 +235,8 @@ class GradSync:
     def graphs_released(self) -> None:
         """The captured GEMMs are gone: their weights' wgrads run eagerly again (overwriting at a step's first)."""
         self._graphed.clear()
+        self._slots.clear()
+        self.graph_window = None
 
     def defer_wgrad(self, p: torch.nn.Parameter, held, run, window: Optional[int] = None) -> None:
         """A fused GEMM's backward whose weight gradient can wait for the step's last backward: ``held`` (this
@@ -236,10 +245,20 @@ class GradSync:
         micro-batch's gradient into ``p.main_grad`` in one pass. Until then p's hook drops the placeholder gradient
         and leaves main_grad as it is. ``finish`` runs what is still held (a last backward that never reached p).
         ``window``: hold at most that many micro-batches; the backward that fills it runs them (bounding what is
-        held, at one more pass over the main grad per window)."""
+        held, at one more pass over the main grad per window).
+
+        Inside a CUDA graph capture the operands go into device slots instead (``graph_deferral.py``), which the
+        capture's warm-up allocated (``graph_window``: the micro-batches of a step, the slots without a ``window``)."""
+        slots = self._slots.get(id(p))
         if _capturing(p.main_grad):
-            raise RuntimeError("GradSync.defer_wgrad inside a CUDA graph capture: the held operands would be the "
-                               "graph's static buffers (MoEFoldStrategy refuses defer_expert_wgrad with cuda_graphs)")
+            if slots is None:
+                raise RuntimeError("GradSync.defer_wgrad inside a CUDA graph capture without the warm-up that makes "
+                                   "its slots (MoEFoldStrategy sets graph_window before capturing)")
+            slots.capture(held, run)
+            self._deferred_any = True
+            return
+        if slots is None and self.graph_window is not None:  # the capture's warm-up: the slots, outside the graph
+            self._slots[id(p)] = HeldSlots(p, held, window or self.graph_window)
         self._deferred_any = True
         helds = self._deferred.setdefault(id(p), (p, run, []))[2]
         helds.append(held)
@@ -255,11 +274,23 @@ class GradSync:
         entry = self._deferred.get(id(p))
         return entry[2] if entry is not None else []
 
+    def _run_slots(self, slots: HeldSlots) -> None:
+        """The pass over a graph's filled slots (``defer_wgrad`` under capture), queued after the replay that filled
+        them; then the next replay writes the first slot."""
+        helds = slots.take()
+        self.accumulate_wgrad(slots.param, lambda main, first: slots.run(main, first, helds))
+        slots.reset()
+
     def _run_deferred(self) -> None:
         for p, run, helds in self._deferred.values():
             run(p.main_grad, id(p) not in self._seen and id(p) not in self._fused, helds)
             self._fused.discard(id(p))
             self._seen.add(id(p))
+        for slots in self._slots.values():  # replays whose last backward of the step never reached this weight
+            if slots.filled:
+                self._run_slots(slots)
+                self._fused.discard(id(slots.param))
+                self._seen.add(id(slots.param))
         self._deferred.clear()
 
     def _check_deferral(self) -> None:
@@ -286,6 +317,13 @@ class GradSync:
                 p.grad = None
                 return
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
+            slots = self._slots.get(id(p))
+            if slots is not None and slots.run is not None and id(p) not in self._fused:  # a graph replay held it
+                if slots.replayed() or self._armed and (self._final is None or id(p) in self._final):
+                    self._run_slots(slots)  # into main_grad now: on to the fused case below
+                else:
+                    p.grad = None
+                    return
             if id(p) in self._fused:  # already in main_grad: p.grad is the fused GEMM's unread placeholder
                 self._fused.discard(id(p))
                 self._seen.add(id(p))

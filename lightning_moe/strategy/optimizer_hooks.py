@@ -22,7 +22,7 @@ class OptimizerHooks:
         # main params / optimizer slices replace the optimizer's params: before the optimizer has any state
         self._grad_sync, self._main_params, self._sharded = setup_optimizer_state(
             self.lightning_module, self.optimizers, self.parallel_context, self.optimizer_options,
-            self.root_device, self.bucket_size_mb, self.overlap_grad_sync, cuda_graphs=self.cuda_graphs)
+            self.root_device, self.bucket_size_mb, self.overlap_grad_sync)
         if self._grad_sync.main_grads or self.pp > 1 or self.num_microbatches > 1:
             # zero_grad must also drop the fp32 main grads accumulated so far; pipeline schedules zero before
             # their backwards and skip Lightning's zero_grad, which comes after training_step

@@ -110,19 +110,14 @@ class OptimizerOptions:
                              "(precision='bf16-true'): with fp32 weights autograd's gradient is already the fp32 one")
         return main_grads if asked is None else asked
 
-    def expert_deferral(self, fuse_wgrad: bool, cuda_graphs: bool = False) -> tuple[bool, Optional[int]]:
+    def expert_deferral(self, fuse_wgrad: bool) -> tuple[bool, Optional[int]]:
         """``(defer, window)`` for ``GradSync.expert_deferral``; refused, naming the option, without the fusion whose
-        main grads the deferred wgrad writes into, and under CUDA graphs."""
+        main grads the deferred wgrad writes into."""
         defer = self.defer_expert_wgrad
         if defer and not fuse_wgrad:
             raise ValueError(f"MoEFoldStrategy(defer_expert_wgrad={defer!r}) needs gradient-accumulation fusion (the "
                              "experts' wgrad written into the main grads): bf16 weights (precision='bf16-true'), "
                              "gradient_accumulation_fusion not False")
-        if defer and cuda_graphs:
-            # the held operands would be the graphs' static buffers, which the next replay overwrites
-            raise ValueError(f"MoEFoldStrategy(defer_expert_wgrad={defer!r}) cannot run with cuda_graphs=True: a "
-                             "captured backward cannot hold its micro-batch's wgrad operands for a later pass (the "
-                             "wgrad still goes straight into the main grads without it)")
         return bool(defer), None if isinstance(defer, bool) else int(defer)
 
     def check_state_dtypes(self, bf16_main_params: bool) -> None:

@@ -48,7 +48,7 @@ def fuse_steps(optimizers: list, main: Optional[MainParams], asked: Optional[boo
 
 
 def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: OptimizerOptions,
-                          device: torch.device, bucket_mb: float, overlap: bool, cuda_graphs: bool = False
+                          device: torch.device, bucket_mb: float, overlap: bool
                           ) -> tuple[GradSync, Optional[MainParams], Optional[ShardedOptimizer]]:
     """Before the optimizer has any state: ``(gradient sync, main params or None, sharded optimizer or None)``."""
     low = has_low_precision_params(optimizers)
@@ -62,7 +62,7 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
         fuse_steps(optimizers, main, options.fused_optimizer_writeback, device)
         fuse = options.fuse_wgrad(bool(use_main))
         sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=use_main, fuse_wgrad=fuse)
-        sync.expert_deferral = options.expert_deferral(fuse, cuda_graphs)
+        sync.expert_deferral = options.expert_deferral(fuse)
         return sync, main, None
     if len(optimizers) != 1:
         raise ValueError(f"MoEFoldStrategy's distributed / precision-aware / offloaded optimizer drives one optimizer, "
@@ -73,7 +73,7 @@ def setup_optimizer_state(module: nn.Module, optimizers: list, ctx, options: Opt
     fuse = options.fuse_wgrad(True)
     sync = GradSync(module.parameters(), ctx, bucket_mb, overlap, main_grads=True, shard=options.distributed,
                     grad_dtype=torch.float32 if use_main else None, fuse_wgrad=fuse)
-    sync.expert_deferral = options.expert_deferral(fuse, cuda_graphs)
+    sync.expert_deferral = options.expert_deferral(fuse)
     sharded = ShardedOptimizer(module, optimizers[0], sync, ctx, options, bool(use_main), device)
     fuse_sharded(sharded, options.fused_optimizer_writeback, device)
     return sync, None, sharded

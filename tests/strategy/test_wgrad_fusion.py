@@ -265,6 +265,82 @@ def _experts_run(fuse: bool, micro=3) -> tuple:
     return ex, sync, out
 
 
+def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tuple:
+    """bf16 GroupedExperts with the deferred wgrad (``expert_deferral = (True, window)``), ``steps`` optimizer steps of
+    ``micro`` micro-batches; each step's main grads. ``graphs``: emulated CUDA graphs, on the CPU. A warm-up backward
+    (``autograd.grad``, no hooks, as make_graphed_callables runs it) makes the slots; then every backward runs as the
+    capture does, with ``_capturing`` true: the operands go into the slots at the device index, which advances, and
+    the weight's hook fires, as at a replay."""
+    from lightning_moe.modules.experts import GroupedExperts
+    from lightning_moe.strategy import grad_sync as gs
+    torch.manual_seed(0)
+    ex = GroupedExperts(4, 16, 32, init_std=0.3, out_std=0.3)
+    ex.reset_parameters_sharded(0, "experts")
+    ex = ex.to(torch.bfloat16)
+    sync = GradSync(list(ex.parameters()), ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+    sync.expert_deferral = (True, window)
+    g = torch.Generator().manual_seed(2)
+    counts = torch.tensor([5, 0, 9, 6])
+    batches = [(torch.randn(23, 16, generator=g).to(torch.bfloat16), torch.randn(23, 16, generator=g).to(torch.bfloat16))
+               for _ in range(steps * micro)]
+    if graphs:
+        sync.graph_window = micro
+        x = batches[0][0].clone().requires_grad_()
+        torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), batches[0][1])
+        assert len(sync._slots) == 2 and all(s.size == (window or micro) for s in sync._slots.values())
+        monkeypatch.setattr(gs, "_capturing", lambda t: True)
+    out = []
+    for step in range(steps):
+        sync.discard()  # zero_grad (also drops what the warm-up held eagerly)
+        for i in range(micro):
+            if i == micro - 1:
+                sync.arm()
+            x, dy = batches[step * micro + i]
+            ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
+            assert not graphs or not sync._deferred  # nothing held eagerly: all in the slots
+        sync.finish()
+        out.append((ex.w13.main_grad.clone(), ex.w2.main_grad.clone()))
+        assert ex.w13.grad is None and ex.w2.grad is None
+    if graphs:
+        assert all(s.filled == 0 and s.index.item() == 0 for s in sync._slots.values())  # every window ran
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_deferred_expert_wgrad_through_graph_slots_equals_the_eager_deferral(window, monkeypatch):
+    """Under CUDA graphs the deferred wgrad's operands are copied into one slot per micro-batch of the window
+    (``graph_deferral.py``): the main grads are the eager deferral's, bit for bit, for windows that fill at the
+    step's last micro-batch (None) and that do not (3 of 4: a full window, then the armed backward's rest)."""
+    eager = _deferred_steps(window, False, monkeypatch)
+    graphed = _deferred_steps(window, True, monkeypatch)
+    for (a13, a2), (b13, b2) in zip(eager, graphed):
+        assert torch.equal(a13, b13) and torch.equal(a2, b2)
+    assert not torch.equal(eager[0][0], eager[1][0])  # the steps differ: a stale slot would show
+
+
+def test_graph_slots_refuse_other_shapes_and_finish_runs_what_is_left():
+    """A replay's operands must have the warm-up's shapes (a graph's are fixed); ``finish`` runs slots that a last
+    backward never reached (its pass queued then), and ``discard`` resets what a step abandoned."""
+    from lightning_moe.strategy.graph_deferral import HeldSlots
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    slots = HeldSlots(p, (torch.zeros(4, 3), torch.zeros(2, dtype=torch.int64)), 2)
+    with pytest.raises(RuntimeError, match="differ from the warm-up"):
+        slots.capture((torch.zeros(5, 3), torch.zeros(2, dtype=torch.int64)), None)
+    sync = GradSync([p], ParallelContext.single(), main_grads=True)
+    sync._slots[id(p)] = slots
+    ran = []
+    slots.capture((torch.ones(4, 3), torch.tensor([1, 4])), lambda main, first, helds: ran.append((first, helds)))
+    assert slots.index.item() == 1 and torch.equal(slots.bufs[0][0], torch.ones(4, 3))
+    slots.replayed()
+    sync.finish()
+    assert len(ran) == 1 and ran[0][0] and torch.equal(ran[0][1][0][1], torch.tensor([1, 4]))
+    assert slots.filled == 0 and slots.index.item() == 0 and id(p) in sync.had_main_grad
+    slots.index.add_(1)
+    slots.replayed()
+    sync.discard()
+    assert slots.filled == 0 and slots.index.item() == 0
+
+
 def test_expert_wgrad_is_the_fp32_sum_of_the_micro_batches_and_dx_is_unchanged():
     ex, sync, fused = _experts_run(True)
     _, _, plain = _experts_run(False)
@@ -325,9 +401,6 @@ def test_defer_expert_wgrad_options():
     assert parse(False).expert_deferral(False) == (False, None)
     with pytest.raises(ValueError, match=r"defer_expert_wgrad=4\) needs gradient-accumulation fusion"):
         parse(4).expert_deferral(False)
-    assert parse(False).expert_deferral(True, cuda_graphs=True) == (False, None)
-    with pytest.raises(ValueError, match=r"defer_expert_wgrad=True\) cannot run with cuda_graphs=True"):
-        parse(True).expert_deferral(True, cuda_graphs=True)
 
 
 @pytest.mark.parametrize("defer", [True, 2])
