@@ -395,7 +395,13 @@ class FP8Training(L.Callback):
 
     def _at_step(self, trainer, *_) -> None:
         """Before every batch: the weights are those after ``trainer.global_step`` optimizer steps, so a cached
-        quantization of another step is stale. Under CUDA graphs it is rewritten now, before the graphs read it."""
+        quantization of another step is stale. Under CUDA graphs it is rewritten now, before the graphs read it,
+        from the weights the distributed optimizer's all-gathers bring (waited for first: eagerly each block waits
+        for its own before its forward, but the graphs' blocks are replayed without those waits)."""
+        if any(spec.in_place and spec.step != trainer.global_step for spec in self._cached):
+            sharded = getattr(getattr(trainer, "strategy", None), "sharded_optimizer", None)
+            if sharded is not None:
+                sharded.wait_all()
         for spec in self._cached:
             if spec.in_place:
                 spec.refresh(trainer.global_step)

@@ -101,8 +101,16 @@ class FP8Spec:
             if hit[0] != self.step:
                 self._rewrite(name, hit)
             return hit[2]
+        if hit is not None and self.in_place:  # captured GEMMs read the old copy's address, which would be freed
+            raise RuntimeError(f"FP8 weight cache ({name}): the weight moved (data_ptr {hit[1]:#x} -> "
+                               f"{w.data_ptr():#x}) under CUDA graphs, whose GEMMs read the copy made from it; "
+                               "weights must be updated in place while graphs are captured")
         self.weights.pop(name, None)  # the old step's copy goes before the new one is made
-        out = make()
+        if self.in_place:  # rewritten in place later: never an inference tensor (a sanity check's validation)
+            with torch.inference_mode(False):
+                out = make()
+        else:
+            out = make()
         self.weights[name] = (self.step, w.data_ptr(), out, make)
         return out
 

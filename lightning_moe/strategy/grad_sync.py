@@ -248,7 +248,7 @@ class GradSync:
         held, at one more pass over the main grad per window).
 
         Inside a CUDA graph capture the operands go into device slots instead (``graph_deferral.py``), which the
-        capture's warm-up allocated (``graph_window``: the micro-batches of a step, the slots without a ``window``)."""
+        capture's warm-up allocated: ``window`` of them, at most ``graph_window`` (the micro-batches of a step)."""
         slots = self._slots.get(id(p))
         if _capturing(p.main_grad):
             if slots is None:
@@ -258,16 +258,23 @@ class GradSync:
             self._deferred_any = True
             return
         if slots is None and self.graph_window is not None:  # the capture's warm-up: the slots, outside the graph
-            self._slots[id(p)] = HeldSlots(p, held, window or self.graph_window)
+            self._slots[id(p)] = HeldSlots(p, held, min(window or self.graph_window, self.graph_window))
         self._deferred_any = True
         helds = self._deferred.setdefault(id(p), (p, run, []))[2]
         helds.append(held)
         full = window is not None and len(helds) >= window
-        if full or self._armed and (self._final is None or id(p) in self._final):
+        final = self._is_final(p)
+        if full or final:
             del self._deferred[id(p)]
+            if final and slots is not None and slots.filled:  # graph replays of this step, before its bucket is due
+                self._run_slots(slots)
             self.accumulate_wgrad(p, lambda main, first: run(main, first, helds))
         else:
             self._holding.add(id(p))
+
+    def _is_final(self, p: torch.nn.Parameter) -> bool:
+        """Whether this backward is p's last of the step (the armed one; under a pipeline schedule, the one named)."""
+        return self._armed and (self._final is None or id(p) in self._final)
 
     def held(self, p: torch.nn.Parameter) -> list:
         """What ``defer_wgrad`` holds for ``p`` this step (in micro-batch order)."""
@@ -286,7 +293,7 @@ class GradSync:
             run(p.main_grad, id(p) not in self._seen and id(p) not in self._fused, helds)
             self._fused.discard(id(p))
             self._seen.add(id(p))
-        for slots in self._slots.values():  # replays whose last backward of the step never reached this weight
+        for slots in self._slots.values():  # replays whose weight's last backward of the step never came
             if slots.filled:
                 self._run_slots(slots)
                 self._fused.discard(id(slots.param))
@@ -319,8 +326,12 @@ class GradSync:
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
             slots = self._slots.get(id(p))
             if slots is not None and slots.run is not None and id(p) not in self._fused:  # a graph replay held it
-                if slots.replayed() or self._armed and (self._final is None or id(p) in self._final):
+                final = self._is_final(p)
+                if slots.replayed() or final:
                     self._run_slots(slots)  # into main_grad now: on to the fused case below
+                    entry = self._deferred.pop(id(p), None) if final else None
+                    if entry is not None:  # eager calls of this step (another shape) held before the replays
+                        self.accumulate_wgrad(p, lambda main, first: entry[1](main, first, entry[2]))
                 else:
                     p.grad = None
                     return

@@ -70,6 +70,22 @@ def test_in_place_cache_rewrites_the_same_tensors_at_a_new_step():
     assert eager.cached_weight("w", w, make)[1] is not old[1]
 
 
+def test_in_place_cache_made_under_inference_mode_is_rewritten_in_training_and_a_moved_weight_raises():
+    """Lightning's sanity check validates under ``inference_mode`` before the first training batch: an in-place entry
+    it makes must still take the next step's rewrite (no inference tensors). A weight that moved (another tensor)
+    cannot be followed by graphs that read the old copy: a clear error instead of a freed address."""
+    w = torch.randn(4, 6)
+    spec = FP8Spec("rowwise", step=0, in_place=True)
+    with torch.inference_mode():
+        kept = spec.cached_weight("w", w, lambda: w * 2)
+    assert not kept.is_inference()
+    w.add_(1)
+    spec.refresh(1)
+    assert torch.equal(kept, w * 2)
+    with pytest.raises(RuntimeError, match="the weight moved"):
+        spec.cached_weight("w", w.clone(), lambda: w * 2)
+
+
 def test_callback_refreshes_in_place_under_cuda_graphs_before_every_batch():
     """FP8Training under ``cuda_graphs``: the step's batch start rewrites each cached copy where it is (outside the
     graphs), so the replayed forward of the next micro-batch reads the new weights."""
@@ -83,6 +99,15 @@ def test_callback_refreshes_in_place_under_cuda_graphs_before_every_batch():
     assert torch.equal(kept, torch.full((3,), 2.0))
     cb.on_train_batch_start(SimpleNamespace(global_step=1), None, None, 2)
     assert torch.equal(kept, torch.full((3,), 10.0)) and spec.weights["w"][0] == 1
+    # the distributed optimizer's weight all-gathers (overlapped with the next forward eagerly) are waited for before
+    # the rewrite reads the weights: the graphs' blocks replay without the per-block waits
+    order = []
+    spec.weights["w"] = (1, w.data_ptr(), kept, lambda: order.append("make") or w * 3)
+    trainer = SimpleNamespace(global_step=2, strategy=SimpleNamespace(
+        sharded_optimizer=SimpleNamespace(wait_all=lambda: order.append("wait"))))
+    cb.on_train_batch_start(trainer, None, None, 3)
+    cb.on_train_batch_start(trainer, None, None, 4)  # nothing stale: no wait
+    assert order == ["wait", "make"] and torch.equal(kept, torch.full((3,), 15.0))
 
 
 def test_callback_sets_the_step_before_every_batch_and_clears_at_teardown():

@@ -318,6 +318,73 @@ def test_deferred_expert_wgrad_through_graph_slots_equals_the_eager_deferral(win
     assert not torch.equal(eager[0][0], eager[1][0])  # the steps differ: a stale slot would show
 
 
+@pytest.mark.parametrize("pattern", ["replay,replay,eager", "eager,replay,replay", "replay,eager,replay"])
+def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(pattern, monkeypatch):
+    """A step mixing graph replays (their operands in slots) with eager calls of another shape (held as they are),
+    under data parallelism: whichever the armed backward is, every micro-batch's wgrad is in main_grad when the
+    weight's bucket is handed to the all-reduce (the spy), not added by ``finish`` afterwards."""
+    from lightning_moe.modules.experts import GroupedExperts
+    from lightning_moe.strategy import grad_sync as gs
+    torch.manual_seed(0)
+    ex = GroupedExperts(4, 16, 32, init_std=0.3, out_std=0.3)
+    ex.reset_parameters_sharded(0, "experts")
+    ex = ex.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    counts = torch.tensor([5, 0, 9, 6])
+    kinds = pattern.split(",")
+    data = [(torch.randn(23 if k == "replay" else 26, 16, generator=g).to(torch.bfloat16),) for k in kinds]
+    data = [(x, torch.randn(x.shape[0], 16, generator=g).to(torch.bfloat16)) for (x,) in data]
+
+    def run(graphs):
+        sync = GradSync(list(ex.parameters()), ParallelContext.single(), main_grads=True, fuse_wgrad=True)
+        sync.expert_deferral = (True, None)
+        launched = []
+        for state in sync.groups.values():
+            for b in state.buckets:
+                b.reduce = True  # as under data parallelism: the bucket launches at the armed backward
+        sync._launch = lambda b: launched.append([(p, p.main_grad.clone()) for p in b.params])
+        if graphs:  # the capture's warm-up, on a replay's shapes
+            sync.graph_window = len(kinds)
+            x, dy = data[kinds.index("replay")]
+            x = x.clone().requires_grad_()
+            torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), dy)
+        sync.discard()
+        for i, (kind, (x, dy)) in enumerate(zip(kinds, data)):
+            if i == len(kinds) - 1:
+                sync.arm()
+            monkeypatch.setattr(gs, "_capturing", lambda t: graphs and kind == "replay")
+            ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
+        assert len(launched) == 1
+        sync.finish()
+        assert all(torch.equal(a, p.main_grad) for p, a in launched[0])  # finish added nothing after the launch
+        sync.release()  # its hooks off the shared weights
+        return [a for _, a in launched[0]]
+
+    want = run(False)  # every call eager: one pass at the armed backward
+    got = run(True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # the same sums, in another order
+
+
+def test_captured_writes_add_and_slots_follow_the_device_index(monkeypatch):
+    """What a replay repeats is what the capture recorded: the fused GEMM's write with ``first=False`` (a replay never
+    overwrites), and the slot copy at the device-side index (a replay's slot comes from the device, not from the
+    host's count at capture time)."""
+    from lightning_moe.strategy import grad_sync as gs
+    from lightning_moe.strategy.graph_deferral import HeldSlots
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    sync = GradSync([p], ParallelContext.single(), main_grads=True)
+    firsts = []
+    monkeypatch.setattr(gs, "_capturing", lambda t: True)
+    sync.accumulate_wgrad(p, lambda main, first: firsts.append(first))
+    assert firsts == [False] and id(p) in sync._graphed
+    slots = HeldSlots(p, (torch.zeros(4, 3),), 3)
+    slots.bufs[0].zero_()
+    slots.index.fill_(2)  # as after two replays, with the host's count still at the capture's 0
+    slots.capture((torch.ones(4, 3),), None)
+    assert torch.equal(slots.bufs[0][2], torch.ones(4, 3)) and not slots.bufs[0][:2].any() and slots.index.item() == 3
+
+
 def test_graph_slots_refuse_other_shapes_and_finish_runs_what_is_left():
     """A replay's operands must have the warm-up's shapes (a graph's are fixed); ``finish`` runs slots that a last
     backward never reached (its pass queued then), and ``discard`` resets what a step abandoned."""
