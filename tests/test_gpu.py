@@ -310,7 +310,37 @@ def test_cuda_graphs_match_eager(tmp_path, main_params, fp8, fusion):
     torch.testing.assert_close(loss_g, loss_e, rtol=2e-3, atol=0)
     assert val_g == pytest.approx(val_e, rel=2e-3)
     worst = max(((state_g[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in state_e.items())
-    print(f"main_params={main_params} fp8={fp8} fusion={fusion}: max |loss diff| {(loss_g - loss_e).abs().max().item():.3g}, "
-          f"val {abs(val_g - val_e):.3g}, worst param rel-norm diff {worst:.3g}")
+    print(f"main_params={main_params} fp8={fp8} fusion={fusion}: max |loss diff| "
+          f"{(loss_g - loss_e).abs().max().item():.3g}, val {abs(val_g - val_e):.3g}, worst param rel-norm diff "
+          f"{worst:.3g}")
     assert worst < 2e-2, worst
     assert not torch.equal(state_e["layers.1.ffn.router.expert_bias"], torch.zeros(8))  # the bias did move
+
+
+def test_cuda_graphs_fp8_cache_after_the_sanity_check(tmp_path):
+    """FP8 under CUDA graphs with Lightning's sanity check on: the check validates under ``inference_mode`` before the
+    capture, making the cached FP8 weights there; each later step rewrites them in place (an inference tensor could
+    not be written), and at every batch start they equal a fresh quantization of the current weights."""
+    import numpy as np
+
+    from lightning_moe import FP8Training, MoEFoldStrategy, MoELanguageModel, TokenDataModule
+    from lightning_moe.data import write_tokens
+    from lightning_moe.modules import fp8_linear
+    tokens = write_tokens(str(tmp_path / "t.bin"), np.random.default_rng(0).integers(0, 512, 40000), "uint16")
+    cb, checked = FP8Training("rowwise"), []
+
+    class Check(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after FP8Training's (listed first)
+            for spec in cb._cached:
+                for name, (step, _, out, make) in spec.weights.items():
+                    assert step == trainer.global_step and not any(t.is_inference() for t in fp8_linear._leaves(out))
+                    assert all(torch.equal(a, b) for a, b in zip(fp8_linear._leaves(out), fp8_linear._leaves(make())))
+                    checked.append(name)
+
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=MoEFoldStrategy(cuda_graphs=True),
+                        precision="bf16-true", max_steps=3, accumulate_grad_batches=2, num_sanity_val_steps=2,
+                        limit_val_batches=2, val_check_interval=2, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, callbacks=[cb, Check()])
+    model = MoELanguageModel(preset="tiny", overrides=OVR, seed=3, lr=3e-3, warmup_steps=1)
+    trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=256, batch_size=2))
+    assert checked and trainer.global_step == 3 and torch.isfinite(trainer.callback_metrics["val_loss"])

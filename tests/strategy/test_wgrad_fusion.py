@@ -281,7 +281,7 @@ def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tupl
     sync.expert_deferral = (True, window)
     g = torch.Generator().manual_seed(2)
     counts = torch.tensor([5, 0, 9, 6])
-    batches = [(torch.randn(23, 16, generator=g).to(torch.bfloat16), torch.randn(23, 16, generator=g).to(torch.bfloat16))
+    batches = [tuple(torch.randn(23, 16, generator=g).to(torch.bfloat16) for _ in range(2))
                for _ in range(steps * micro)]
     if graphs:
         sync.graph_window = micro
