@@ -19,6 +19,17 @@ from typing import Callable, Optional
 import torch
 
 
+def _widest(t: torch.Tensor) -> torch.dtype:
+    """The widest integer type whose elements tile ``t``'s contiguous rows (the same bytes, fewer elements to copy)."""
+    if t.dim() == 0:
+        return t.dtype
+    row, start = t.shape[-1] * t.element_size(), t.storage_offset() * t.element_size()
+    for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if size > t.element_size() and row % size == 0 and start % size == 0:
+            return wide
+    return t.dtype
+
+
 class HeldSlots:
     """One expert weight's slots: ``size`` micro-batches of its wgrad operands (``held``: tensors of fixed shapes)."""
 
@@ -36,7 +47,9 @@ class HeldSlots:
             raise RuntimeError(f"deferred wgrad in a CUDA graph: operands {shapes} differ from the warm-up's "
                                f"{[(b.shape[1:], b.dtype) for b in self.bufs]}")
         for buf, t in zip(self.bufs, held):
-            buf.index_copy_(0, self.index, t.unsqueeze(0))
+            t = t.contiguous()
+            wide = _widest(t)  # index_copy_ goes element by element: the same bytes as fewer, wider elements
+            buf.view(wide).index_copy_(0, self.index, t.view(wide).unsqueeze(0))
         self.index.add_(1)
         self.run = run
 

@@ -385,6 +385,29 @@ def test_captured_writes_add_and_slots_follow_the_device_index(monkeypatch):
     assert torch.equal(slots.bufs[0][2], torch.ones(4, 3)) and not slots.bufs[0][:2].any() and slots.index.item() == 3
 
 
+def test_graph_slot_copies_are_bit_exact_through_wider_elements():
+    """The slot copy moves the operands' bytes as the widest integer elements that tile their rows (bf16 rows as
+    int64 or int32, int32 offsets as they are, an unaligned view as itself): the slots hold the very bits, NaN payloads
+    included."""
+    from lightning_moe.strategy.graph_deferral import HeldSlots, _widest
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+    x[0, 0] = float("nan")
+    odd = torch.randn(5, 6, generator=g).to(torch.bfloat16)
+    base = torch.randn(6, 3, generator=g).to(torch.bfloat16)
+    offs = torch.tensor([1, 4, 4], dtype=torch.int32)
+    assert [_widest(t) for t in (x, odd, base[1:], offs)] == [torch.int64, torch.int32, torch.bfloat16, torch.int32]
+    held = (x, odd, base[1:], offs)
+    slots = HeldSlots(torch.nn.Parameter(torch.zeros(1)), held, 2)
+    doubled = tuple(t * 2 for t in held)
+    slots.capture(held, None)
+    slots.capture(doubled, None)
+    for i, sent in enumerate((held, doubled)):
+        for buf, t in zip(slots.bufs, sent):
+            bits = torch.int16 if t.dtype == torch.bfloat16 else t.dtype
+            assert torch.equal(buf[i].view(bits), t.contiguous().view(bits))
+
+
 def test_graph_slots_refuse_other_shapes_and_finish_runs_what_is_left():
     """A replay's operands must have the warm-up's shapes (a graph's are fixed); ``finish`` runs slots that a last
     backward never reached (its pass queued then), and ``discard`` resets what a step abandoned."""
