@@ -107,7 +107,7 @@ class FP8Spec:
                                "weights must be updated in place while graphs are captured")
         self.weights.pop(name, None)  # the old step's copy goes before the new one is made
         if self.in_place:  # rewritten in place later: never an inference tensor (a sanity check's validation)
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), torch.no_grad():  # (inference_mode(False) alone turns grad mode on)
                 out = make()
         else:
             out = make()

@@ -19,15 +19,13 @@ from typing import Callable, Optional
 import torch
 
 
-def _widest(t: torch.Tensor) -> torch.dtype:
-    """The widest integer type whose elements tile ``t``'s contiguous rows (the same bytes, fewer elements to copy)."""
-    if t.dim() == 0:
-        return t.dtype
-    row, start = t.shape[-1] * t.element_size(), t.storage_offset() * t.element_size()
+def _widest(flat: torch.Tensor) -> torch.dtype:
+    """The widest integer type whose elements tile a contiguous (1, n) tensor (the same bytes, fewer elements)."""
+    nbytes, start = flat.numel() * flat.element_size(), flat.storage_offset() * flat.element_size()
     for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if size > t.element_size() and row % size == 0 and start % size == 0:
+        if size > flat.element_size() and nbytes % size == 0 and start % size == 0:
             return wide
-    return t.dtype
+    return flat.dtype
 
 
 class HeldSlots:
@@ -47,9 +45,11 @@ class HeldSlots:
             raise RuntimeError(f"deferred wgrad in a CUDA graph: operands {shapes} differ from the warm-up's "
                                f"{[(b.shape[1:], b.dtype) for b in self.bufs]}")
         for buf, t in zip(self.bufs, held):
-            t = t.contiguous()
-            wide = _widest(t)  # index_copy_ goes element by element: the same bytes as fewer, wider elements
-            buf.view(wide).index_copy_(0, self.index, t.view(wide).unsqueeze(0))
+            if not t.numel():
+                continue
+            flat = t.contiguous().view(1, -1)
+            wide = _widest(flat)  # index_copy_ goes element by element: the same bytes as fewer, wider elements
+            buf.view(buf.shape[0], -1).view(wide).index_copy_(0, self.index, flat.view(wide))
         self.index.add_(1)
         self.run = run
 

@@ -74,11 +74,12 @@ def test_in_place_cache_made_under_inference_mode_is_rewritten_in_training_and_a
     """Lightning's sanity check validates under ``inference_mode`` before the first training batch: an in-place entry
     it makes must still take the next step's rewrite (no inference tensors). A weight that moved (another tensor)
     cannot be followed by graphs that read the old copy: a clear error instead of a freed address."""
-    w = torch.randn(4, 6)
+    w = torch.nn.Parameter(torch.randn(4, 6))
     spec = FP8Spec("rowwise", step=0, in_place=True)
     with torch.inference_mode():
         kept = spec.cached_weight("w", w, lambda: w * 2)
-    assert not kept.is_inference()
+    assert not kept.is_inference() and not kept.requires_grad  # no graph back to the weight held with it
+    w = w.detach()
     w.add_(1)
     spec.refresh(1)
     assert torch.equal(kept, w * 2)

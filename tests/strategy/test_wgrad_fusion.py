@@ -95,6 +95,21 @@ def test_a_weight_used_twice_in_one_backward_adds_both():
     torch.testing.assert_close(col.weight.main_grad, want, rtol=1e-6, atol=1e-6)
 
 
+def _replayed(on=lambda: True):
+    """``grad_sync._capturing`` for the CPU emulation of CUDA graphs: true inside a backward that a capture would
+    record (while ``on()``), false in GradSync's hooks and ``finish``, which run eagerly around every replay."""
+    import sys
+
+    def capturing(t):
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code.co_name in ("_on_grad_ready", "finish"):
+                return False
+            f = f.f_back
+        return on()
+    return capturing
+
+
 def test_captured_wgrad_adds_into_main_grads_that_zero_grad_zeroes(monkeypatch):
     """Under CUDA graphs a captured backward replays as it was captured, so its fused GEMMs cannot choose between
     writing (a step's first micro-batch) and adding: they always add, GradSync zeroes those main grads at zero_grad
@@ -106,7 +121,7 @@ def test_captured_wgrad_adds_into_main_grads_that_zero_grad_zeroes(monkeypatch):
     col, row = _pair()
     sync = GradSync(list(col.parameters()) + list(row.parameters()), ParallelContext.single(), main_grads=True,
                     fuse_wgrad=True)
-    monkeypatch.setattr(gs, "_capturing", lambda t: True)
+    monkeypatch.setattr(gs, "_capturing", _replayed())
     for p in (col.weight, row.weight):
         p.main_grad.fill_(7.0)  # stale
     x, dy = _micro()[0]
@@ -288,7 +303,7 @@ def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tupl
         x = batches[0][0].clone().requires_grad_()
         torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), batches[0][1])
         assert len(sync._slots) == 2 and all(s.size == (window or micro) for s in sync._slots.values())
-        monkeypatch.setattr(gs, "_capturing", lambda t: True)
+        monkeypatch.setattr(gs, "_capturing", _replayed())
     out = []
     for step in range(steps):
         sync.discard()  # zero_grad (also drops what the warm-up held eagerly)
@@ -352,7 +367,7 @@ def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(p
         for i, (kind, (x, dy)) in enumerate(zip(kinds, data)):
             if i == len(kinds) - 1:
                 sync.arm()
-            monkeypatch.setattr(gs, "_capturing", lambda t: graphs and kind == "replay")
+            monkeypatch.setattr(gs, "_capturing", _replayed(lambda: graphs and kind == "replay"))
             ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
         assert len(launched) == 1
         sync.finish()
@@ -375,7 +390,7 @@ def test_captured_writes_add_and_slots_follow_the_device_index(monkeypatch):
     p = torch.nn.Parameter(torch.zeros(2, 3))
     sync = GradSync([p], ParallelContext.single(), main_grads=True)
     firsts = []
-    monkeypatch.setattr(gs, "_capturing", lambda t: True)
+    monkeypatch.setattr(gs, "_capturing", _replayed())
     sync.accumulate_wgrad(p, lambda main, first: firsts.append(first))
     assert firsts == [False] and id(p) in sync._graphed
     slots = HeldSlots(p, (torch.zeros(4, 3),), 3)
@@ -396,8 +411,13 @@ def test_graph_slot_copies_are_bit_exact_through_wider_elements():
     odd = torch.randn(5, 6, generator=g).to(torch.bfloat16)
     base = torch.randn(6, 3, generator=g).to(torch.bfloat16)
     offs = torch.tensor([1, 4, 4], dtype=torch.int32)
-    assert [_widest(t) for t in (x, odd, base[1:], offs)] == [torch.int64, torch.int32, torch.bfloat16, torch.int32]
-    held = (x, odd, base[1:], offs)
+    assert [_widest(t.contiguous().view(1, -1)) for t in (x, odd, base[1:], offs)] == \
+        [torch.int64, torch.int32, torch.bfloat16, torch.int32]
+    # strides a view(dtype) of the tensor itself would refuse: a size-1 row of another stride, a size-1 middle
+    # dimension, no columns
+    one_row = torch.randn(8, 1, generator=g).to(torch.bfloat16).t()
+    middle = torch.randn(2, 1, 8, generator=g).to(torch.bfloat16).as_strided((2, 1, 8), (8, 3, 1))
+    held = (x, odd, base[1:], offs, one_row, middle, torch.empty(4, 0, dtype=torch.bfloat16))
     slots = HeldSlots(torch.nn.Parameter(torch.zeros(1)), held, 2)
     doubled = tuple(t * 2 for t in held)
     slots.capture(held, None)
