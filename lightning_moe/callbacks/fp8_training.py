@@ -109,8 +109,8 @@ class FP8Training(L.Callback):
             wgrad instead: the held operands are the unquantized bf16 ones (2 bytes per element, the GEMMs' inputs
             kept past their backward), summed over the window in one fp32 accumulator per tile
             (``triton_grouped_wgrad.wgrad_segments_into``: float32 rounding in another order, not the same bits).
-            Under ``MoEFoldStrategy(cuda_graphs=True)`` only that bf16 wgrad is deferred, its operands copied into
-            one slot per micro-batch of the window (``strategy/graph_deferral.py``).
+            Under ``MoEFoldStrategy(cuda_graphs=True)`` only that bf16 wgrad is deferred, its operands kept by one
+            copy of the graphs per micro-batch of the window (``strategy/graph_deferral.py``).
     """
 
     def __init__(self, recipe: str = "tensorwise", exclude: Sequence[str] = (), include_head: bool = False,
@@ -176,8 +176,8 @@ class FP8Training(L.Callback):
         if self.defer_expert_wgrad and self.fp8_wgrad and getattr(trainer.strategy, "cuda_graphs", False):
             # its held FP8 operands go into buffers laid out per step, which a replayed graph cannot follow
             raise ValueError("FP8Training(defer_expert_wgrad=...) with MoEFoldStrategy(cuda_graphs=True) holds the "
-                             "bf16 wgrad's operands only: pass fp8_wgrad=False (graphs copy them into slots per "
-                             "micro-batch), leave defer_expert_wgrad off, or turn the graphs off")
+                             "bf16 wgrad's operands only: pass fp8_wgrad=False (one copy of the graphs per "
+                             "micro-batch keeps them), leave defer_expert_wgrad off, or turn the graphs off")
         ctx = getattr(pl_module, "parallel_context", None)
         dispatchers = self._fp8_dispatchers(pl_module) if self.fp8_dispatch else []
         targets = list(gemms(pl_module, self.exclude, self.include_head))

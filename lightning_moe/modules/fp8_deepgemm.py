@@ -262,8 +262,7 @@ class _DeepGEMMGroupedMM(torch.autograd.Function):
         if want_w and ctx.sync is not None:  # into the fp32 main grad: no bf16 gradient for GradSync to add
             ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: _wgrad_into_main(
                 main, xw, dyw, rows.poffs_L, ctx.dense_end, first))
-            # never read: it only fires the hook (GradSync drops it)
-            dw = torch.empty(ctx.w_shape, dtype=w_dtype, device=dy_MN.device)
+            dw = ctx.sync.placeholder(ctx.param, ctx.w_shape)  # never read: it fires the hook (GradSync drops it)
         elif want_w and ctx.fp8_wgrad:
             dw = torch.empty(ctx.w_shape, dtype=w_dtype, device=dy_MN.device)
             kernels.load("triton_fp8_wgrad", dy_MN).wgrad_into(dw, xw, dyw, rows.poffs_L, True)

@@ -297,7 +297,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None, None, None
         a, b, fast = (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), spec.fast("wgrad")
         # never read under the fusion: it only fires GradSync's hook, which drops it
-        dw = torch.empty_like(w_LKN)
+        dw = ctx.sync.placeholder(ctx.param) if ctx.sync is not None else torch.empty_like(w_LKN)
         if defer:  # held until the step's last backward
             ctx.sync.defer_wgrad(ctx.param, (a, b, poffs_L),
                                  lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec),
@@ -369,7 +369,7 @@ def _wgrad_unquantized(ctx, x_MK, dy_MN, offs, gid_M, w_LKN) -> torch.Tensor:
     spec = ctx.spec  # FP8Training(defer_expert_wgrad)'s deferral, else MoEFoldStrategy(defer_expert_wgrad)'s
     defer = (spec.defer_wgrad, spec.defer_window) if spec.defer_wgrad else sync.expert_deferral
     wgrad_fusion.grouped_wgrad(sync, param, x_MK, dy_MN, offs, *defer)
-    return torch.empty_like(w_LKN)  # never read: it only fires GradSync's hook, which drops it
+    return sync.placeholder(param)  # never read: it only fires GradSync's hook, which drops it
 
 
 def scaled_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Tensor, spec: FP8Spec

@@ -294,7 +294,7 @@ class _FP8Linear(torch.autograd.Function):
             x_MK = x_MK.to(dy_MN.dtype)
             if sync is not None:  # straight into the fp32 main grad: no fp32 gradient, bf16 rounding or hook's add
                 sync.accumulate_wgrad(param, lambda main, first: wgrad_into(main, dy_MN, x_MK, first))
-                return dx.reshape(ctx.shape), torch.empty_like(w_NK), None, None  # never read: it fires the hook
+                return dx.reshape(ctx.shape), sync.placeholder(param), None, None  # never read: it fires the hook
             dw = torch.empty(w_NK.shape, dtype=torch.float32, device=w_NK.device)
             wgrad_into(dw, dy_MN, x_MK, True)
             return dx.reshape(ctx.shape), dw.to(w_NK.dtype), None, None

@@ -99,7 +99,7 @@ class _LinearWgradIntoMainGrad(torch.autograd.Function):
             N, K = w_NK.shape
             dy, x = dy_TN.reshape(-1, N), x_TK.reshape(-1, K)
             ctx.sync.accumulate_wgrad(w_NK, lambda main, first: wgrad_into(main, dy, x, first))
-            dw = torch.empty_like(w_NK)  # never read: it only fires the hook (GradSync drops it)
+            dw = ctx.sync.placeholder(w_NK)  # never read: it only fires the hook (GradSync drops it)
         return dx_TK, dw, None
 
 
@@ -174,7 +174,7 @@ class _GroupedWgradIntoMainGrad(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             grouped_wgrad(ctx.sync, w_LKN, x_MK, dy_MN, offs_L, *ctx.sync.expert_deferral)
-            dw = torch.empty_like(w_LKN)  # never read: it only fires the hook (GradSync drops it)
+            dw = ctx.sync.placeholder(w_LKN)  # never read: it only fires the hook (GradSync drops it)
         return dx_MK, dw, None, None
 
 

@@ -16,6 +16,9 @@ each one at once, and otherwise a hook hands autograd a copy. With gradient-accu
 GEMMs add straight into the main grads, which GradSync zeroes at each step's ``zero_grad`` (a replay cannot choose
 between writing and adding), and their weights' static gradients are placeholders the hook drops unread. FP8Training's
 weight cache is rewritten in place before each step's first batch, so the replayed GEMMs read the current weights.
+The deferred expert wgrad keeps each micro-batch's operands in graphs of its own: the blocks are captured once per
+micro-batch of its window, in the same pool, and each forward replays the copy its micro-batch needs
+(``graph_deferral.py``).
 """
 
 from __future__ import annotations
@@ -37,10 +40,14 @@ def unsupported_layout(tp: int, cp: int, ep: int, etp: int, pp: int, num_microba
     return None
 
 
-def _guarded(block: nn.Module, graphed: Callable, eager: Callable, x_shape: torch.Size, dtype: torch.dtype):
+def _guarded(block: nn.Module, graphed: list, eager: Callable, x_shape: torch.Size, dtype: torch.dtype,
+             select: Callable[[], int]):
     def forward(x_BSD: torch.Tensor, positions_S: torch.Tensor):
         if block.training and torch.is_grad_enabled() and x_BSD.shape == x_shape and x_BSD.dtype == dtype:
-            return graphed(x_BSD, positions_S)
+            k = select()
+            if not 0 <= k < len(graphed):
+                raise RuntimeError(f"CUDA graphs: copy {k} asked for, {len(graphed)} captured")
+            return graphed[k](x_BSD, positions_S)
         return eager(x_BSD, positions_S)
     return forward
 
@@ -51,21 +58,37 @@ def _copy_grad(g: torch.Tensor) -> torch.Tensor:
 
 
 def capture_blocks(blocks: Sequence[nn.Module], x_shape: tuple[int, ...], dtype: torch.dtype,
-                   positions_S: torch.Tensor, copy_param_grads: bool, num_warmup_iters: int = 3) -> list:
+                   positions_S: torch.Tensor, copy_param_grads: bool, num_warmup_iters: int = 3,
+                   copies: Callable[[], int] = lambda: 1, on_copy: Callable[[int], None] = lambda k: None,
+                   select: Callable[[], int] = lambda: 0) -> list:
     """Capture ``blocks`` (called in this order as ``block(x_BSD, positions_S) -> (x_BSD, aux)``) for inputs of
     ``x_shape`` and ``dtype``. ``copy_param_grads``: register hooks that give autograd a copy of each parameter
-    gradient (needed when ``param.grad`` accumulates). Returns the hook handles."""
+    gradient (needed when ``param.grad`` accumulates). ``copies()``, asked after the first capture's warm-up: how many
+    copies of the graphs to capture, one after another in one pool (``on_copy(k)`` before copy k's); ``select()``,
+    at each forward: which copy it replays. Returns the hook handles."""
     device = positions_S.device
     saved = [(b, b.detach().clone()) for blk in blocks for b in blk.buffers()]
     eager = [blk.forward for blk in blocks]
     samples = tuple((torch.randn(x_shape, device=device, dtype=dtype, requires_grad=True), positions_S)
                     for _ in blocks)
-    torch.cuda.make_graphed_callables(tuple(blocks), samples, num_warmup_iters=num_warmup_iters,
-                                      allow_unused_input=True)
+    pool = torch.cuda.graph_pool_handle()
+    graphed: list[list] = [[] for _ in blocks]  # per block, its copies' graphed forwards
+    k, n = 0, 1
+    while k < n:
+        on_copy(k)
+        # one pool: a copy runs whole (forward, then backward) before another starts, and what outlives it (static
+        # outputs, the deferred wgrad's operands) was alive through every later copy's capture, so is never reused
+        torch.cuda.make_graphed_callables(tuple(blocks), samples, num_warmup_iters=num_warmup_iters if k == 0 else 0,
+                                          allow_unused_input=True, pool=pool)
+        for blk, copies_of_blk in zip(blocks, graphed):
+            copies_of_blk.append(blk.forward)
+            blk.__dict__.pop("forward")  # the eager forward again, for the next copy's capture
+        n = copies() if k == 0 else n
+        k += 1
     for b, value in saved:  # the warm-up iterations ran the blocks: undo their writes to routing counters
         b.copy_(value)
-    for blk, eager_forward in zip(blocks, eager):
-        blk.forward = _guarded(blk, blk.forward, eager_forward, torch.Size(x_shape), dtype)
+    for blk, eager_forward, copies_of_blk in zip(blocks, eager, graphed):
+        blk.forward = _guarded(blk, copies_of_blk, eager_forward, torch.Size(x_shape), dtype, select)
     handles = []
     if copy_param_grads:
         handles = [p.register_hook(_copy_grad) for blk in blocks for p in blk.parameters() if p.requires_grad]

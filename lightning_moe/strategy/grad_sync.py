@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning_moe.modules import wgrad_fusion
 from lightning_moe.strategy.comm import reduce_scatter_flat
 from lightning_moe.strategy.flat_shards import bucket_layout, owned_slice
-from lightning_moe.strategy.graph_deferral import HeldSlots
+from lightning_moe.strategy.graph_deferral import HeldCopies
 from lightning_moe.strategy.parallel_context import ParallelContext
 
 
@@ -101,10 +101,14 @@ class GradSync:
         self._fused: set[int] = set()  # params whose wgrad GEMM wrote main_grad since their hook last fired
         # params whose wgrad GEMM was captured in a CUDA graph: each replay adds into main_grad, zeroed by discard()
         self._graphed: dict[int, torch.nn.Parameter] = {}
-        # ... and those whose deferred wgrad was: the slots its replays fill (graph_deferral.py); the micro-batches of a
-        # step, set by MoEFoldStrategy before it captures (None: no capture)
-        self._slots: dict[int, HeldSlots] = {}
+        # ... and those whose deferred wgrad was: the graph copies whose operands its replays fill (graph_deferral.py);
+        # the micro-batches of a step, set by MoEFoldStrategy before it captures (None: no capture), and the copy
+        # being captured
+        self._copies: dict[int, HeldCopies] = {}
         self.graph_window: Optional[int] = None
+        self.capture_copy: Optional[int] = None
+        # the captured fused GEMMs' placeholder gradients: views of one buffer per dtype, made in the capture's warm-up
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         # defer_wgrad: param id -> (param, run, held operands of this step's micro-batches), and the params whose
         # hook is due to drop a placeholder without main_grad written
         self._deferred: dict[int, tuple] = {}
@@ -176,8 +180,8 @@ class GradSync:
         except a captured GEMM's, which adds: those main grads are zeroed here."""
         for p in self._graphed.values():
             p.main_grad.zero_()
-        for slots in self._slots.values():
-            slots.reset()
+        for copies in self._copies.values():
+            copies.reset()
         self._seen.clear()
         self._fused.clear()
         self._deferred.clear()
@@ -232,11 +236,38 @@ class GradSync:
         write(p.main_grad, first)
         self._fused.add(id(p))
 
+    def placeholder(self, p: torch.nn.Parameter, shape: Optional[torch.Size] = None) -> torch.Tensor:
+        """The gradient a fused GEMM's backward hands autograd for p (``accumulate_wgrad``, ``defer_wgrad``), of p's
+        shape or ``shape`` (a view of p's numel that the GEMM took), which p's hook drops unread. Inside a capture: a
+        view of one buffer that every placeholder shares, made in the warm-up, since a captured one would be a static
+        output of each graph, held as long as the graphs (one per weight and graph copy)."""
+        shape, n = p.shape if shape is None else torch.Size(shape), p.numel()
+        buf = self._placeholders.get(p.dtype)
+        if _capturing(p.main_grad):
+            if buf is not None and buf.numel() >= n and p.is_contiguous():
+                return buf[:n].view(shape)
+        elif self.graph_window is not None and (buf is None or buf.numel() < n):  # the capture's warm-up
+            self._placeholders[p.dtype] = torch.empty(n, dtype=p.dtype, device=p.device)
+        return torch.empty_like(p) if shape == p.shape else torch.empty(shape, dtype=p.dtype, device=p.device)
+
     def graphs_released(self) -> None:
         """The captured GEMMs are gone: their weights' wgrads run eagerly again (overwriting at a step's first)."""
         self._graphed.clear()
-        self._slots.clear()
-        self.graph_window = None
+        self._copies.clear()
+        self._placeholders.clear()
+        self.graph_window = self.capture_copy = None
+
+    def graph_copies(self) -> int:
+        """After the capture's warm-up: how many copies of the graphs the deferred wgrad needs (its window), else 1."""
+        sizes = {c.size for c in self._copies.values()}
+        if len(sizes) > 1:
+            raise RuntimeError(f"deferred wgrad in CUDA graphs: windows {sorted(sizes)} differ between weights; the "
+                               "graphs replay one copy per micro-batch for all of them")
+        return sizes.pop() if sizes else 1
+
+    def graph_copy(self) -> int:
+        """The graph copy the next forward replays: the replays since the window's last pass."""
+        return max((c.filled for c in self._copies.values()), default=0)
 
     def defer_wgrad(self, p: torch.nn.Parameter, held, run, window: Optional[int] = None) -> None:
         """A fused GEMM's backward whose weight gradient can wait for the step's last backward: ``held`` (this
@@ -247,18 +278,19 @@ class GradSync:
         ``window``: hold at most that many micro-batches; the backward that fills it runs them (bounding what is
         held, at one more pass over the main grad per window).
 
-        Inside a CUDA graph capture the operands go into device slots instead (``graph_deferral.py``), which the
-        capture's warm-up allocated: ``window`` of them, at most ``graph_window`` (the micro-batches of a step)."""
-        slots = self._slots.get(id(p))
+        Inside a CUDA graph capture the operands stay with graph copy ``capture_copy`` (``graph_deferral.py``), one
+        copy per micro-batch of ``window``, at most ``graph_window`` (the micro-batches of a step), as the capture's
+        warm-up found."""
+        copies = self._copies.get(id(p))
         if _capturing(p.main_grad):
-            if slots is None:
-                raise RuntimeError("GradSync.defer_wgrad inside a CUDA graph capture without the warm-up that makes "
-                                   "its slots (MoEFoldStrategy sets graph_window before capturing)")
-            slots.capture(held, run)
+            if copies is None or self.capture_copy is None:
+                raise RuntimeError("GradSync.defer_wgrad inside a CUDA graph capture without the warm-up that counts "
+                                   "its copies (MoEFoldStrategy sets graph_window and capture_copy as it captures)")
+            copies.capture(self.capture_copy, held, run)
             self._deferred_any = True
             return
-        if slots is None and self.graph_window is not None:  # the capture's warm-up: the slots, outside the graph
-            self._slots[id(p)] = HeldSlots(p, held, min(window or self.graph_window, self.graph_window))
+        if copies is None and self.graph_window is not None:  # the capture's warm-up: the window, for the copies
+            self._copies[id(p)] = HeldCopies(p, min(window or self.graph_window, self.graph_window))
         self._deferred_any = True
         helds = self._deferred.setdefault(id(p), (p, run, []))[2]
         helds.append(held)
@@ -266,8 +298,8 @@ class GradSync:
         final = self._is_final(p)
         if full or final:
             del self._deferred[id(p)]
-            if final and slots is not None and slots.filled:  # graph replays of this step, before its bucket is due
-                self._run_slots(slots)
+            if final and copies is not None and copies.filled:  # graph replays of this step, before its bucket is due
+                self._run_copies(copies)
             self.accumulate_wgrad(p, lambda main, first: run(main, first, helds))
         else:
             self._holding.add(id(p))
@@ -281,23 +313,23 @@ class GradSync:
         entry = self._deferred.get(id(p))
         return entry[2] if entry is not None else []
 
-    def _run_slots(self, slots: HeldSlots) -> None:
-        """The pass over a graph's filled slots (``defer_wgrad`` under capture), queued after the replay that filled
-        them; then the next replay writes the first slot."""
-        helds = slots.take()
-        self.accumulate_wgrad(slots.param, lambda main, first: slots.run(main, first, helds))
-        slots.reset()
+    def _run_copies(self, copies: HeldCopies) -> None:
+        """The pass over the filled graph copies' operands (``defer_wgrad`` under capture), queued after the replay
+        that filled the last; then the next forward replays copy 0."""
+        helds, run = copies.take(), copies.run
+        self.accumulate_wgrad(copies.param, lambda main, first: run(main, first, helds))
+        copies.reset()
 
     def _run_deferred(self) -> None:
         for p, run, helds in self._deferred.values():
             run(p.main_grad, id(p) not in self._seen and id(p) not in self._fused, helds)
             self._fused.discard(id(p))
             self._seen.add(id(p))
-        for slots in self._slots.values():  # replays whose weight's last backward of the step never came
-            if slots.filled:
-                self._run_slots(slots)
-                self._fused.discard(id(slots.param))
-                self._seen.add(id(slots.param))
+        for copies in self._copies.values():  # replays whose weight's last backward of the step never came
+            if copies.filled:
+                self._run_copies(copies)
+                self._fused.discard(id(copies.param))
+                self._seen.add(id(copies.param))
         self._deferred.clear()
 
     def _check_deferral(self) -> None:
@@ -324,11 +356,11 @@ class GradSync:
                 p.grad = None
                 return
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
-            slots = self._slots.get(id(p))
-            if slots is not None and slots.run is not None and id(p) not in self._fused:  # a graph replay held it
+            copies = self._copies.get(id(p))
+            if copies is not None and copies.run is not None and id(p) not in self._fused:  # a graph replay held it
                 final = self._is_final(p)
-                if slots.replayed() or final:
-                    self._run_slots(slots)  # into main_grad now: on to the fused case below
+                if copies.replayed() or final:
+                    self._run_copies(copies)  # into main_grad now: on to the fused case below
                     entry = self._deferred.pop(id(p), None) if final else None
                     if entry is not None:  # eager calls of this step (another shape) held before the replays
                         self.accumulate_wgrad(p, lambda main, first: entry[1](main, first, entry[2]))

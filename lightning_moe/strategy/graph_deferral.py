@@ -1,15 +1,16 @@
 """The experts' deferred wgrad (``defer_expert_wgrad``) inside CUDA graphs (``MoEFoldStrategy(cuda_graphs=True)``).
 
 Eagerly, ``GradSync.defer_wgrad`` holds each micro-batch's wgrad operands, the tensors themselves, until its window's
-pass. A captured backward's operands are the graph's static buffers, which the next replay overwrites. So the capture
-copies them into one slot per micro-batch of the window, at a slot index kept on the device, since a replay cannot
-take another address from the host: ``index_copy_`` at ``index``, then ``index += 1``. The host counts the replays
-through the weight's gradient hook. After the replay that fills the window, or the step's last, it queues the
-window's pass over the filled slots, eagerly, then sets the index back to 0.
+pass. A captured backward's operands are the graph's static buffers, which the next replay of that graph overwrites.
+So the strategy captures the blocks once per micro-batch of the window, in one memory pool
+(``cuda_graphs.capture_blocks``): copy k's operands are tensors of its own, which live as long as the graphs, and the
+window's k-th replay leaves its micro-batch's operands there. Nothing is copied. The host counts the replays through
+the weight's gradient hook, and the next forward replays the copy after them (``GradSync.graph_copy``). After the
+replay that fills the window, or the step's last, it queues the window's pass over the copies' operands, eagerly,
+and the count goes back to 0.
 
-The slots are allocated in the capture's warm-up, outside the graph, so the capture does not record their zeroing.
-Cost: one copy of the operands per micro-batch (2 bytes per routed row and feature of both expert GEMMs, written, then
-read by the pass), and the window's slots in memory.
+Cost: the window's copies of the graphs: the capture's time, and each copy's static outputs and operands in memory
+(the operands are what the eager deferral holds).
 """
 
 from __future__ import annotations
@@ -19,50 +20,35 @@ from typing import Callable, Optional
 import torch
 
 
-def _widest(flat: torch.Tensor) -> torch.dtype:
-    """The widest integer type whose elements tile a contiguous (1, n) tensor (the same bytes, fewer elements)."""
-    nbytes, start = flat.numel() * flat.element_size(), flat.storage_offset() * flat.element_size()
-    for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if size > flat.element_size() and nbytes % size == 0 and start % size == 0:
-            return wide
-    return flat.dtype
+class HeldCopies:
+    """One expert weight's deferred wgrad under graphs: the operands ``held[k]`` that graph copy k's backward leaves
+    (fixed tensors, captured once), ``size`` copies (the window)."""
 
-
-class HeldSlots:
-    """One expert weight's slots: ``size`` micro-batches of its wgrad operands (``held``: tensors of fixed shapes)."""
-
-    def __init__(self, param: torch.nn.Parameter, held: tuple, size: int):
+    def __init__(self, param: torch.nn.Parameter, size: int):
         self.param, self.size = param, size
-        self.bufs = tuple(torch.empty((size, *t.shape), dtype=t.dtype, device=t.device) for t in held)
-        self.index = torch.zeros(1, dtype=torch.int64, device=held[0].device)
-        self.filled = 0  # replays whose operands sit in the slots (the host's count of ``index``)
+        self.held: list[Optional[tuple]] = [None] * size
+        self.filled = 0  # replays since the last pass: copies 0 .. filled - 1 hold this window's operands
         self.run: Optional[Callable] = None  # the pass, ``run(main, first, helds)``, once captured
 
-    def capture(self, held: tuple, run: Callable) -> None:
-        """Inside the capture: the replay's operands into the slot at ``index``, which then advances."""
-        shapes = [(t.shape, t.dtype) for t in held]
-        if shapes != [(b.shape[1:], b.dtype) for b in self.bufs]:
-            raise RuntimeError(f"deferred wgrad in a CUDA graph: operands {shapes} differ from the warm-up's "
-                               f"{[(b.shape[1:], b.dtype) for b in self.bufs]}")
-        for buf, t in zip(self.bufs, held):
-            if not t.numel():
-                continue
-            flat = t.contiguous().view(1, -1)
-            wide = _widest(flat)  # index_copy_ goes element by element: the same bytes as fewer, wider elements
-            buf.view(buf.shape[0], -1).view(wide).index_copy_(0, self.index, flat.view(wide))
-        self.index.add_(1)
-        self.run = run
+    def capture(self, k: int, held: tuple, run: Callable) -> None:
+        """Inside copy k's capture: its backward's operands, which each of its replays rewrites."""
+        if not 0 <= k < self.size:
+            raise RuntimeError(f"deferred wgrad in a CUDA graph: copy {k} captured for a window of {self.size}")
+        self.held[k], self.run = held, run
 
     def replayed(self) -> bool:
-        """A replay's gradient hook: one more slot filled; whether the window is now full."""
+        """A replay's gradient hook: one more copy filled; whether the window is now full."""
         self.filled += 1
         return self.filled >= self.size
 
     def take(self) -> list:
-        """The filled slots' operands, in micro-batch order (views: read by the pass queued next)."""
-        return [tuple(b[i] for b in self.bufs) for i in range(self.filled)]
+        """The filled copies' operands, in micro-batch order (read by the pass queued next, before any later replay
+        of those copies rewrites them)."""
+        missing = [k for k in range(self.filled) if self.held[k] is None]
+        if missing:
+            raise RuntimeError(f"deferred wgrad in a CUDA graph: copies {missing} were replayed but never captured")
+        return list(self.held[:self.filled])
 
     def reset(self) -> None:
-        """After the pass is queued, or a step abandoned: the next replay writes the first slot."""
+        """After the pass is queued, or a step abandoned: the next forward replays copy 0."""
         self.filled = 0
-        self.index.zero_()

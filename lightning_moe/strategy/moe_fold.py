@@ -187,9 +187,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             order, not the same bits. Held inputs stay on the GPU until their window runs, so they also cancel what
             ``ActivationOffload("expert_fc1")`` or ``Recompute(["moe_act"])`` would save on them. Needs
             gradient-accumulation fusion (bf16 weights); refused, naming why, where it is off. Under ``cuda_graphs``
-            the captured backward copies its operands into one slot per micro-batch of the window
-            (``strategy/graph_deferral.py``): one more write and read of them, and the window's slots in memory
-            (all of the step's micro-batches without an N).
+            the blocks are captured once per micro-batch of the window, each copy's graphs keeping its operands
+            (``strategy/graph_deferral.py``): the capture takes that many times longer, and each copy's static
+            outputs stay in memory (all of the step's micro-batches without an N).
             ``FP8Training(defer_expert_wgrad=...)`` sets the FP8 experts' own (their FP8 wgrad); FP8Training refuses
             this option where its experts' wgrad would not take it, and a rank whose experts deferred nothing in the
             first step warns.
@@ -525,13 +525,16 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
 
     def _capture_cuda_graphs(self, batch) -> None:
         blocks, x_shape, dtype, positions_S = self.lightning_module.cuda_graph_blocks(batch)
-        # the deferred expert wgrad's slots per weight (graph_deferral.py) are made in the warm-up, this many by default
-        self._grad_sync.graph_window = max(1, self.lightning_module.trainer.accumulate_grad_batches)
+        sync = self._grad_sync
+        # the deferred expert wgrad's window (graph_deferral.py), found in the warm-up: at most a step's micro-batches
+        sync.graph_window = max(1, self.lightning_module.trainer.accumulate_grad_batches)
         with self.precision_plugin.train_step_context():
             # fp32 main grads: GradSync's hook consumes each gradient at once, so the graphs' static gradient
             # buffers can go to autograd as they are; otherwise param.grad accumulates and must get a copy
-            handles = capture_blocks(blocks, x_shape, dtype, positions_S,
-                                     copy_param_grads=not self._grad_sync.main_grads)
+            handles = capture_blocks(blocks, x_shape, dtype, positions_S, copy_param_grads=not sync.main_grads,
+                                     copies=sync.graph_copies, on_copy=lambda k: setattr(sync, "capture_copy", k),
+                                     select=sync.graph_copy)
+        sync.capture_copy = None
         self._graphs = (blocks, handles)
 
     def pipeline_timing(self) -> dict:

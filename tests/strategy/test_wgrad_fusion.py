@@ -283,9 +283,9 @@ def _experts_run(fuse: bool, micro=3) -> tuple:
 def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tuple:
     """bf16 GroupedExperts with the deferred wgrad (``expert_deferral = (True, window)``), ``steps`` optimizer steps of
     ``micro`` micro-batches; each step's main grads. ``graphs``: emulated CUDA graphs, on the CPU. A warm-up backward
-    (``autograd.grad``, no hooks, as make_graphed_callables runs it) makes the slots; then every backward runs as the
-    capture does, with ``_capturing`` true: the operands go into the slots at the device index, which advances, and
-    the weight's hook fires, as at a replay."""
+    (``autograd.grad``, no hooks, as make_graphed_callables runs it) finds the window; then every backward runs as the
+    capture of the copy that the strategy would replay does (``graph_copy``), with ``_capturing`` true: its operands
+    stay with that copy, and the weight's hook fires, as at a replay."""
     from lightning_moe.modules.experts import GroupedExperts
     from lightning_moe.strategy import grad_sync as gs
     torch.manual_seed(0)
@@ -302,7 +302,7 @@ def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tupl
         sync.graph_window = micro
         x = batches[0][0].clone().requires_grad_()
         torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), batches[0][1])
-        assert len(sync._slots) == 2 and all(s.size == (window or micro) for s in sync._slots.values())
+        assert len(sync._copies) == 2 and sync.graph_copies() == (window or micro)
         monkeypatch.setattr(gs, "_capturing", _replayed())
     out = []
     for step in range(steps):
@@ -311,19 +311,21 @@ def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tupl
             if i == micro - 1:
                 sync.arm()
             x, dy = batches[step * micro + i]
+            sync.capture_copy = sync.graph_copy()  # the copy this micro-batch's forward would replay
+            assert sync.capture_copy == i % (window or micro) or not graphs
             ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
-            assert not graphs or not sync._deferred  # nothing held eagerly: all in the slots
+            assert not graphs or not sync._deferred  # nothing held eagerly: all with the graph copies
         sync.finish()
         out.append((ex.w13.main_grad.clone(), ex.w2.main_grad.clone()))
         assert ex.w13.grad is None and ex.w2.grad is None
     if graphs:
-        assert all(s.filled == 0 and s.index.item() == 0 for s in sync._slots.values())  # every window ran
+        assert all(c.filled == 0 for c in sync._copies.values()) and sync.graph_copy() == 0  # every window ran
     return out
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_deferred_expert_wgrad_through_graph_slots_equals_the_eager_deferral(window, monkeypatch):
-    """Under CUDA graphs the deferred wgrad's operands are copied into one slot per micro-batch of the window
+def test_deferred_expert_wgrad_through_graph_copies_equals_the_eager_deferral(window, monkeypatch):
+    """Under CUDA graphs the deferred wgrad's operands stay with one copy of the graphs per micro-batch of the window
     (``graph_deferral.py``): the main grads are the eager deferral's, bit for bit, for windows that fill at the
     step's last micro-batch (None) and that do not (3 of 4: a full window, then the armed backward's rest)."""
     eager = _deferred_steps(window, False, monkeypatch)
@@ -335,7 +337,8 @@ def test_deferred_expert_wgrad_through_graph_slots_equals_the_eager_deferral(win
 
 @pytest.mark.parametrize("pattern", ["replay,replay,eager", "eager,replay,replay", "replay,eager,replay"])
 def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(pattern, monkeypatch):
-    """A step mixing graph replays (their operands in slots) with eager calls of another shape (held as they are),
+    """A step mixing graph replays (their operands with the graph copies) with eager calls of another shape (held as
+    they are),
     under data parallelism: whichever the armed backward is, every micro-batch's wgrad is in main_grad when the
     weight's bucket is handed to the all-reduce (the spy), not added by ``finish`` afterwards."""
     from lightning_moe.modules.experts import GroupedExperts
@@ -368,6 +371,7 @@ def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(p
             if i == len(kinds) - 1:
                 sync.arm()
             monkeypatch.setattr(gs, "_capturing", _replayed(lambda: graphs and kind == "replay"))
+            sync.capture_copy = sync.graph_copy()
             ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
         assert len(launched) == 1
         sync.finish()
@@ -381,74 +385,121 @@ def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(p
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # the same sums, in another order
 
 
-def test_captured_writes_add_and_slots_follow_the_device_index(monkeypatch):
+def test_captured_writes_add_and_each_graph_copy_keeps_its_operands(monkeypatch):
     """What a replay repeats is what the capture recorded: the fused GEMM's write with ``first=False`` (a replay never
-    overwrites), and the slot copy at the device-side index (a replay's slot comes from the device, not from the
-    host's count at capture time)."""
+    overwrites). The deferred wgrad's operands stay with the copy being captured; the pass takes the replayed copies'
+    in micro-batch order, and refuses a replayed copy that was never captured or one past the window."""
     from lightning_moe.strategy import grad_sync as gs
-    from lightning_moe.strategy.graph_deferral import HeldSlots
+    from lightning_moe.strategy.graph_deferral import HeldCopies
     p = torch.nn.Parameter(torch.zeros(2, 3))
     sync = GradSync([p], ParallelContext.single(), main_grads=True)
     firsts = []
     monkeypatch.setattr(gs, "_capturing", _replayed())
     sync.accumulate_wgrad(p, lambda main, first: firsts.append(first))
     assert firsts == [False] and id(p) in sync._graphed
-    slots = HeldSlots(p, (torch.zeros(4, 3),), 3)
-    slots.bufs[0].zero_()
-    slots.index.fill_(2)  # as after two replays, with the host's count still at the capture's 0
-    slots.capture((torch.ones(4, 3),), None)
-    assert torch.equal(slots.bufs[0][2], torch.ones(4, 3)) and not slots.bufs[0][:2].any() and slots.index.item() == 3
+    with pytest.raises(RuntimeError, match="without the warm-up"):
+        sync.defer_wgrad(p, (torch.zeros(1),), None)  # no window found yet
+    copies = HeldCopies(p, 3)
+    for k in (2, 0, 1):  # captured in any order: each copy's own operands
+        copies.capture(k, (torch.full((2,), float(k)),), None)
+    with pytest.raises(RuntimeError, match="copy 3 captured for a window of 3"):
+        copies.capture(3, (torch.zeros(2),), None)
+    assert not copies.replayed() and not copies.replayed() and [h[0][0].item() for h in copies.take()] == [0, 1]
+    assert copies.replayed()  # the window is full
+    fresh = HeldCopies(p, 2)
+    fresh.capture(1, (torch.zeros(2),), None)
+    fresh.replayed()
+    with pytest.raises(RuntimeError, match=r"copies \[0\] were replayed but never captured"):
+        fresh.take()
 
 
-def test_graph_slot_copies_are_bit_exact_through_wider_elements():
-    """The slot copy moves the operands' bytes as the widest integer elements that tile their rows (bf16 rows as
-    int64 or int32, int32 offsets as they are, an unaligned view as itself): the slots hold the very bits, NaN payloads
-    included."""
-    from lightning_moe.strategy.graph_deferral import HeldSlots, _widest
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 8, generator=g).to(torch.bfloat16)
-    x[0, 0] = float("nan")
-    odd = torch.randn(5, 6, generator=g).to(torch.bfloat16)
-    base = torch.randn(6, 3, generator=g).to(torch.bfloat16)
-    offs = torch.tensor([1, 4, 4], dtype=torch.int32)
-    assert [_widest(t.contiguous().view(1, -1)) for t in (x, odd, base[1:], offs)] == \
-        [torch.int64, torch.int32, torch.bfloat16, torch.int32]
-    # strides a view(dtype) of the tensor itself would refuse: a size-1 row of another stride, a size-1 middle
-    # dimension, no columns
-    one_row = torch.randn(8, 1, generator=g).to(torch.bfloat16).t()
-    middle = torch.randn(2, 1, 8, generator=g).to(torch.bfloat16).as_strided((2, 1, 8), (8, 3, 1))
-    held = (x, odd, base[1:], offs, one_row, middle, torch.empty(4, 0, dtype=torch.bfloat16))
-    slots = HeldSlots(torch.nn.Parameter(torch.zeros(1)), held, 2)
-    doubled = tuple(t * 2 for t in held)
-    slots.capture(held, None)
-    slots.capture(doubled, None)
-    for i, sent in enumerate((held, doubled)):
-        for buf, t in zip(slots.bufs, sent):
-            bits = torch.int16 if t.dtype == torch.bfloat16 else t.dtype
-            assert torch.equal(buf[i].view(bits), t.contiguous().view(bits))
-
-
-def test_graph_slots_refuse_other_shapes_and_finish_runs_what_is_left():
-    """A replay's operands must have the warm-up's shapes (a graph's are fixed); ``finish`` runs slots that a last
-    backward never reached (its pass queued then), and ``discard`` resets what a step abandoned."""
-    from lightning_moe.strategy.graph_deferral import HeldSlots
-    p = torch.nn.Parameter(torch.zeros(2, 3))
-    slots = HeldSlots(p, (torch.zeros(4, 3), torch.zeros(2, dtype=torch.int64)), 2)
-    with pytest.raises(RuntimeError, match="differ from the warm-up"):
-        slots.capture((torch.zeros(5, 3), torch.zeros(2, dtype=torch.int64)), None)
-    sync = GradSync([p], ParallelContext.single(), main_grads=True)
-    sync._slots[id(p)] = slots
+def test_graph_copies_refuse_mixed_windows_and_finish_runs_what_is_left():
+    """Every deferred weight replays one copy per micro-batch of one window (weights with other windows are refused);
+    ``finish`` runs copies that a last backward never reached (their pass queued then), and ``discard`` resets what a
+    step abandoned, so that the next forward replays copy 0."""
+    from lightning_moe.strategy.graph_deferral import HeldCopies
+    p, q = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(2))
+    sync = GradSync([p, q], ParallelContext.single(), main_grads=True)
+    assert sync.graph_copies() == 1 and sync.graph_copy() == 0  # nothing deferred: one copy
+    sync._copies[id(p)] = copies = HeldCopies(p, 2)
+    sync._copies[id(q)] = HeldCopies(q, 3)
+    with pytest.raises(RuntimeError, match=r"windows \[2, 3\] differ"):
+        sync.graph_copies()
+    del sync._copies[id(q)]
     ran = []
-    slots.capture((torch.ones(4, 3), torch.tensor([1, 4])), lambda main, first, helds: ran.append((first, helds)))
-    assert slots.index.item() == 1 and torch.equal(slots.bufs[0][0], torch.ones(4, 3))
-    slots.replayed()
+    copies.capture(0, (torch.ones(4, 3), torch.tensor([1, 4])), lambda main, first, helds: ran.append((first, helds)))
+    copies.replayed()
+    assert sync.graph_copy() == 1  # the next forward replays copy 1
     sync.finish()
     assert len(ran) == 1 and ran[0][0] and torch.equal(ran[0][1][0][1], torch.tensor([1, 4]))
-    assert slots.filled == 0 and slots.index.item() == 0 and id(p) in sync.had_main_grad
-    slots.index.add_(1)
-    slots.replayed()
+    assert copies.filled == 0 and sync.graph_copy() == 0 and id(p) in sync.had_main_grad
+    copies.replayed()
     sync.discard()
-    assert slots.filled == 0 and slots.index.item() == 0
+    assert copies.filled == 0 and sync.graph_copy() == 0
+    sync.graphs_released()
+    assert not sync._copies and sync.graph_window is None and sync.capture_copy is None
+
+
+def test_captured_placeholders_share_one_buffer_made_in_the_warm_up(monkeypatch):
+    """A fused GEMM's placeholder gradient (dropped unread by the hook) is, inside a capture, a view of one buffer per
+    dtype that the capture's warm-up made large enough for every weight, instead of a static output per graph copy;
+    outside a capture it is a tensor of its own."""
+    from lightning_moe.strategy import grad_sync as gs
+    big, small = torch.nn.Parameter(torch.zeros(4, 6)), torch.nn.Parameter(torch.zeros(3, 2))
+    sync = GradSync([big, small], ParallelContext.single(), main_grads=True)
+    assert sync.placeholder(big).shape == (4, 6) and not sync._placeholders  # no capture coming
+    sync.graph_window = 2  # the warm-up
+    sync.placeholder(small)
+    sync.placeholder(big)
+    sync.placeholder(small)
+    buf = sync._placeholders[torch.float32]
+    assert buf.numel() == 24
+    monkeypatch.setattr(gs, "_capturing", _replayed())
+    a, b = sync.placeholder(big), sync.placeholder(small, (2, 3))
+    assert a.shape == (4, 6) and b.shape == (2, 3) and a.is_contiguous()
+    assert a.data_ptr() == b.data_ptr() == buf.data_ptr()
+    half = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16))
+    half.main_grad = torch.zeros(2, 2)
+    assert sync.placeholder(half).data_ptr() != buf.data_ptr()  # no buffer of its dtype: a tensor of its own
+
+
+def test_graph_capture_makes_the_copies_the_window_needs(monkeypatch):
+    """``capture_blocks`` captures the blocks once, asks how many copies the warm-up found a need for, captures the
+    rest in the same pool without warm-up (``on_copy(k)`` before copy k), then each training forward replays the
+    copy ``select()`` names; eval, no-grad and other shapes run eagerly; a copy past those captured is refused."""
+    from lightning_moe.strategy import cuda_graphs as cg
+
+    class Block(torch.nn.Module):
+        def forward(self, x, positions):
+            return x + 1, None
+
+    calls = []
+
+    def fake_capture(callables, samples, num_warmup_iters, allow_unused_input, pool):
+        k = len(calls)
+        calls.append((num_warmup_iters, pool))
+        for blk in callables:
+            blk.forward = lambda x, pos, k=k: ("copy", k)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    blocks = [Block(), Block()]
+    seen, which = [], [0]
+    cg.capture_blocks(blocks, (2, 3), torch.float32, torch.arange(3), copy_param_grads=False,
+                      copies=lambda: (seen.append("asked"), 3)[1], on_copy=seen.append, select=lambda: which[0])
+    assert seen == [0, "asked", 1, 2] and calls == [(3, "pool"), (0, "pool"), (0, "pool")]
+    x = torch.zeros(2, 3)
+    for k in (0, 2, 1):
+        which[0] = k
+        assert blocks[1](x, None) == ("copy", k)
+    assert torch.equal(blocks[0](torch.zeros(1, 3), None)[0], torch.ones(1, 3))  # another shape: eager
+    with torch.no_grad():
+        assert torch.equal(blocks[0](x, None)[0], torch.ones(2, 3))
+    which[0] = 3
+    with pytest.raises(RuntimeError, match="copy 3 asked for, 3 captured"):
+        blocks[0](x, None)
+    cg.release_blocks(blocks, [])
+    assert torch.equal(blocks[0](x, None)[0], torch.ones(2, 3))
 
 
 def test_expert_wgrad_is_the_fp32_sum_of_the_micro_batches_and_dx_is_unchanged():
