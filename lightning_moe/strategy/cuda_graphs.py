@@ -63,9 +63,9 @@ def capture_blocks(blocks: Sequence[nn.Module], x_shape: tuple[int, ...], dtype:
                    select: Callable[[], int] = lambda: 0) -> list:
     """Capture ``blocks`` (called in this order as ``block(x_BSD, positions_S) -> (x_BSD, aux)``) for inputs of
     ``x_shape`` and ``dtype``. ``copy_param_grads``: register hooks that give autograd a copy of each parameter
-    gradient (needed when ``param.grad`` accumulates). ``copies()``, asked after the first capture's warm-up: how many
-    copies of the graphs to capture, one after another in one pool (``on_copy(k)`` before copy k's); ``select()``,
-    at each forward: which copy it replays. Returns the hook handles."""
+    gradient (needed when ``param.grad`` accumulates). ``copies()``, asked after the first copy's capture (its warm-up
+    runs the blocks eagerly): how many copies of the graphs to capture, one after another in one pool (``on_copy(k)``
+    before copy k's); ``select()``, at each forward: which copy it replays. Returns the hook handles."""
     device = positions_S.device
     saved = [(b, b.detach().clone()) for blk in blocks for b in blk.buffers()]
     eager = [blk.forward for blk in blocks]
@@ -76,13 +76,13 @@ def capture_blocks(blocks: Sequence[nn.Module], x_shape: tuple[int, ...], dtype:
     k, n = 0, 1
     while k < n:
         on_copy(k)
-        # one pool: a copy runs whole (forward, then backward) before another starts, and what outlives it (static
-        # outputs, the deferred wgrad's operands) was alive through every later copy's capture, so is never reused
+        # one pool: a copy runs whole (forward, then backward) before another starts, and what it keeps may lie in
+        # an earlier copy's scratch, which is safe while copies replay in order (graph_deferral.py says why they do)
         torch.cuda.make_graphed_callables(tuple(blocks), samples, num_warmup_iters=num_warmup_iters if k == 0 else 0,
                                           allow_unused_input=True, pool=pool)
-        for blk, copies_of_blk in zip(blocks, graphed):
+        for blk, eager_forward, copies_of_blk in zip(blocks, eager, graphed):
             copies_of_blk.append(blk.forward)
-            blk.__dict__.pop("forward")  # the eager forward again, for the next copy's capture
+            blk.forward = eager_forward  # again, for the next copy's capture
         n = copies() if k == 0 else n
         k += 1
     for b, value in saved:  # the warm-up iterations ran the blocks: undo their writes to routing counters

@@ -106,7 +106,8 @@ class GradSync:
         # being captured
         self._copies: dict[int, HeldCopies] = {}
         self.graph_window: Optional[int] = None
-        self.capture_copy: Optional[int] = None
+        self.capture_copy: Optional[int] = None  # set from the first copy's warm-up to the end of the last capture
+        self._replaying = 0  # the copy the last graphed forward replayed
         # the captured fused GEMMs' placeholder gradients: views of one buffer per dtype, made in the capture's warm-up
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         # defer_wgrad: param id -> (param, run, held operands of this step's micro-batches), and the params whose
@@ -246,7 +247,7 @@ class GradSync:
         if _capturing(p.main_grad):
             if buf is not None and buf.numel() >= n and p.is_contiguous():
                 return buf[:n].view(shape)
-        elif self.graph_window is not None and (buf is None or buf.numel() < n):  # the capture's warm-up
+        elif self.capture_copy is not None and (buf is None or buf.numel() < n):  # the capture's warm-up
             self._placeholders[p.dtype] = torch.empty(n, dtype=p.dtype, device=p.device)
         return torch.empty_like(p) if shape == p.shape else torch.empty(shape, dtype=p.dtype, device=p.device)
 
@@ -267,7 +268,15 @@ class GradSync:
 
     def graph_copy(self) -> int:
         """The graph copy the next forward replays: the replays since the window's last pass."""
-        return max((c.filled for c in self._copies.values()), default=0)
+        self._replaying = max((c.filled for c in self._copies.values()), default=0)
+        return self._replaying
+
+    def new_step(self) -> None:
+        """Before the forward of an optimizer step's first micro-batch (which picks its graph copy; ``discard`` runs
+        after it): forget the replays of a window that an unfinished step left (Lightning skipped the rest of its
+        epoch), as ``discard`` forgets eagerly held operands."""
+        for copies in self._copies.values():
+            copies.reset()
 
     def defer_wgrad(self, p: torch.nn.Parameter, held, run, window: Optional[int] = None) -> None:
         """A fused GEMM's backward whose weight gradient can wait for the step's last backward: ``held`` (this
@@ -289,7 +298,7 @@ class GradSync:
             copies.capture(self.capture_copy, held, run)
             self._deferred_any = True
             return
-        if copies is None and self.graph_window is not None:  # the capture's warm-up: the window, for the copies
+        if copies is None and self.capture_copy is not None and self.graph_window is not None:  # capture's warm-up
             self._copies[id(p)] = HeldCopies(p, min(window or self.graph_window, self.graph_window))
         self._deferred_any = True
         helds = self._deferred.setdefault(id(p), (p, run, []))[2]
@@ -358,6 +367,9 @@ class GradSync:
             # fp32 accumulation of this micro-batch's gradient; the first one of a step overwrites (no zeroing pass)
             copies = self._copies.get(id(p))
             if copies is not None and copies.run is not None and id(p) not in self._fused:  # a graph replay held it
+                if copies.filled != self._replaying:
+                    raise RuntimeError(f"CUDA graphs: the backward of graph copy {self._replaying} would count as copy "
+                                       f"{copies.filled} of the deferred wgrad's window")
                 final = self._is_final(p)
                 if copies.replayed() or final:
                     self._run_copies(copies)  # into main_grad now: on to the fused case below

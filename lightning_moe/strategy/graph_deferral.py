@@ -9,8 +9,14 @@ the weight's gradient hook, and the next forward replays the copy after them (``
 replay that fills the window, or the step's last, it queues the window's pass over the copies' operands, eagerly,
 and the count goes back to 0.
 
-Cost: the window's copies of the graphs: the capture's time, and each copy's static outputs and operands in memory
-(the operands are what the eager deferral holds).
+Why this is safe in one pool: within a window the copies replay in order, 0 to the last filled, and the window's pass
+is queued (same stream) before copy 0 replays again; a step's first forward starts at copy 0 (``GradSync.new_step``).
+A copy's kept tensors may lie in memory that earlier copies used as scratch during their captures, but those copies
+do not replay again before the pass has read them.
+
+Cost: the window's copies of the graphs: the capture's time, and in memory each copy's operands (what the eager
+deferral holds) and its static tensors (per block about three of its activations' size: output, input gradient and
+output gradient).
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ class HeldCopies:
         """Inside copy k's capture: its backward's operands, which each of its replays rewrites."""
         if not 0 <= k < self.size:
             raise RuntimeError(f"deferred wgrad in a CUDA graph: copy {k} captured for a window of {self.size}")
+        ptrs = [t.data_ptr() for t in held if t.numel()]
+        for j, other in enumerate(self.held):  # each copy's own tensors (not a buffer every copy would share)
+            if j != k and other is not None and set(ptrs) & {t.data_ptr() for t in other if t.numel()}:
+                raise RuntimeError(f"deferred wgrad in a CUDA graph: copies {j} and {k} hold the same operand memory")
         self.held[k], self.run = held, run
 
     def replayed(self) -> bool:

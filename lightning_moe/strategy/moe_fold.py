@@ -565,6 +565,9 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
                 self._sharded.wait_all()  # the blocks' forward pre-hooks do not run inside graph replays
             if self.cuda_graphs and self._graphs is None:
                 self._capture_cuda_graphs(_batch_args(args, kwargs)[0])
+            trainer = self.lightning_module.trainer
+            if self.cuda_graphs and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+                self._grad_sync.new_step()  # the step's first forward replays graph copy 0 (graph_deferral.py)
             return super().training_step(*args, **kwargs)
         batch, batch_idx = _batch_args(args, kwargs)
         module = self.lightning_module

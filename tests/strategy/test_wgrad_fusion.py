@@ -280,12 +280,13 @@ def _experts_run(fuse: bool, micro=3) -> tuple:
     return ex, sync, out
 
 
-def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tuple:
+def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4, abandon=()) -> tuple:
     """bf16 GroupedExperts with the deferred wgrad (``expert_deferral = (True, window)``), ``steps`` optimizer steps of
     ``micro`` micro-batches; each step's main grads. ``graphs``: emulated CUDA graphs, on the CPU. A warm-up backward
     (``autograd.grad``, no hooks, as make_graphed_callables runs it) finds the window; then every backward runs as the
     capture of the copy that the strategy would replay does (``graph_copy``), with ``_capturing`` true: its operands
-    stay with that copy, and the weight's hook fires, as at a replay."""
+    stay with that copy, and the weight's hook fires, as at a replay. ``abandon``: micro-batches whose step never
+    finishes, run before the second step."""
     from lightning_moe.modules.experts import GroupedExperts
     from lightning_moe.strategy import grad_sync as gs
     torch.manual_seed(0)
@@ -299,21 +300,29 @@ def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4) -> tupl
     batches = [tuple(torch.randn(23, 16, generator=g).to(torch.bfloat16) for _ in range(2))
                for _ in range(steps * micro)]
     if graphs:
-        sync.graph_window = micro
+        sync.graph_window, sync.capture_copy = micro, 0  # the first copy's warm-up, eager
+        monkeypatch.setattr(gs, "_capturing", lambda t: False)
         x = batches[0][0].clone().requires_grad_()
         torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), batches[0][1])
         assert len(sync._copies) == 2 and sync.graph_copies() == (window or micro)
         monkeypatch.setattr(gs, "_capturing", _replayed())
     out = []
     for step in range(steps):
-        sync.discard()  # zero_grad (also drops what the warm-up held eagerly)
+        if abandon and step == 1:  # a step left after 2 micro-batches (Lightning skipped the rest of the epoch)
+            for x, dy in abandon:
+                sync.capture_copy = sync.graph_copy()
+                ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
+            assert not graphs or sync.graph_copy() == 2
+        sync.new_step()  # MoEFoldStrategy.training_step, before the step's first forward
         for i in range(micro):
             if i == micro - 1:
                 sync.arm()
             x, dy = batches[step * micro + i]
             sync.capture_copy = sync.graph_copy()  # the copy this micro-batch's forward would replay
-            assert sync.capture_copy == i % (window or micro) or not graphs
+            if i == 0:
+                sync.discard()  # Lightning's zero_grad: after the step's first forward, before its backward
             ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
+            assert sync.capture_copy == i % (window or micro) or not graphs
             assert not graphs or not sync._deferred  # nothing held eagerly: all with the graph copies
         sync.finish()
         out.append((ex.w13.main_grad.clone(), ex.w2.main_grad.clone()))
@@ -332,7 +341,25 @@ def test_deferred_expert_wgrad_through_graph_copies_equals_the_eager_deferral(wi
     graphed = _deferred_steps(window, True, monkeypatch)
     for (a13, a2), (b13, b2) in zip(eager, graphed):
         assert torch.equal(a13, b13) and torch.equal(a2, b2)
-    assert not torch.equal(eager[0][0], eager[1][0])  # the steps differ: a stale slot would show
+    assert not torch.equal(eager[0][0], eager[1][0])  # the steps differ: a stale copy would show
+
+
+def test_a_step_left_unfinished_does_not_shift_the_next_steps_graph_copies(monkeypatch):
+    """Lightning may leave a step after some micro-batches (``on_train_batch_start`` returning -1 skips the rest of
+    the epoch): their replays filled graph copies 0 and 1, and no pass ran. The next step's first forward must replay
+    copy 0 (``new_step``, before that forward; ``discard`` runs only after it), as eagerly the held operands are
+    dropped: the main grads equal the eager deferral's, bit for bit. Without ``new_step`` the hook refuses the
+    mismatch."""
+    g = torch.Generator().manual_seed(9)
+    left = [tuple(torch.randn(23, 16, generator=g).to(torch.bfloat16) for _ in range(2)) for _ in range(2)]
+    eager = _deferred_steps(None, False, monkeypatch, abandon=left)
+    graphed = _deferred_steps(None, True, monkeypatch, abandon=left)
+    for (a13, a2), (b13, b2) in zip(eager, graphed):
+        assert torch.equal(a13, b13) and torch.equal(a2, b2)
+    from lightning_moe.strategy import grad_sync as gs
+    monkeypatch.setattr(gs.GradSync, "new_step", lambda self: None)
+    with pytest.raises(RuntimeError, match="backward of graph copy 2 would count as copy 0"):
+        _deferred_steps(None, True, monkeypatch, abandon=left)
 
 
 @pytest.mark.parametrize("pattern", ["replay,replay,eager", "eager,replay,replay", "replay,eager,replay"])
@@ -362,7 +389,7 @@ def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(p
                 b.reduce = True  # as under data parallelism: the bucket launches at the armed backward
         sync._launch = lambda b: launched.append([(p, p.main_grad.clone()) for p in b.params])
         if graphs:  # the capture's warm-up, on a replay's shapes
-            sync.graph_window = len(kinds)
+            sync.graph_window, sync.capture_copy = len(kinds), 0
             x, dy = data[kinds.index("replay")]
             x = x.clone().requires_grad_()
             torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), dy)
@@ -404,6 +431,8 @@ def test_captured_writes_add_and_each_graph_copy_keeps_its_operands(monkeypatch)
         copies.capture(k, (torch.full((2,), float(k)),), None)
     with pytest.raises(RuntimeError, match="copy 3 captured for a window of 3"):
         copies.capture(3, (torch.zeros(2),), None)
+    with pytest.raises(RuntimeError, match="copies 0 and 1 hold the same operand memory"):
+        copies.capture(1, copies.held[0], None)  # e.g. a buffer every copy shares: the pass would read one value
     assert not copies.replayed() and not copies.replayed() and [h[0][0].item() for h in copies.take()] == [0, 1]
     assert copies.replayed()  # the window is full
     fresh = HeldCopies(p, 2)
@@ -448,7 +477,7 @@ def test_captured_placeholders_share_one_buffer_made_in_the_warm_up(monkeypatch)
     big, small = torch.nn.Parameter(torch.zeros(4, 6)), torch.nn.Parameter(torch.zeros(3, 2))
     sync = GradSync([big, small], ParallelContext.single(), main_grads=True)
     assert sync.placeholder(big).shape == (4, 6) and not sync._placeholders  # no capture coming
-    sync.graph_window = 2  # the warm-up
+    sync.graph_window, sync.capture_copy = 2, 0  # the first copy's warm-up
     sync.placeholder(small)
     sync.placeholder(big)
     sync.placeholder(small)
@@ -461,6 +490,11 @@ def test_captured_placeholders_share_one_buffer_made_in_the_warm_up(monkeypatch)
     half = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16))
     half.main_grad = torch.zeros(2, 2)
     assert sync.placeholder(half).data_ptr() != buf.data_ptr()  # no buffer of its dtype: a tensor of its own
+    monkeypatch.setattr(gs, "_capturing", lambda t: False)
+    sync.capture_copy = None  # captured: an eager weight larger than any block's (the head) grows no buffer
+    head = torch.nn.Parameter(torch.zeros(10, 10))
+    head.main_grad = torch.zeros(10, 10)
+    assert sync.placeholder(head).shape == (10, 10) and sync._placeholders[torch.float32] is buf
 
 
 def test_graph_capture_makes_the_copies_the_window_needs(monkeypatch):
@@ -597,3 +631,27 @@ def test_strategy_refuses_deferral_without_fusion(tmp_path):
     from tests.strategy.test_main_params import _fit
     with pytest.raises(ValueError, match=r"defer_expert_wgrad=True\) needs gradient-accumulation fusion"):
         _fit(tmp_path, 1, gradient_accumulation_fusion=False, defer_expert_wgrad=True)
+
+
+def test_the_strategy_starts_each_step_at_graph_copy_0(monkeypatch):
+    """``MoEFoldStrategy.training_step`` under graphs resets the graph copies before the forward of each optimizer
+    step's first micro-batch (batch_idx a multiple of accumulate_grad_batches, as Lightning counts it), and only
+    there."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_moe import MoEFoldStrategy
+    strategy = MoEFoldStrategy(cuda_graphs=True)
+    calls = []
+    loop = SimpleNamespace(batch_idx=0)
+    trainer = SimpleNamespace(accumulate_grad_batches=3, fit_loop=SimpleNamespace(epoch_loop=loop))
+    monkeypatch.setattr(MoEFoldStrategy, "lightning_module", property(lambda self: SimpleNamespace(trainer=trainer)))
+    monkeypatch.setattr(Strategy, "training_step", lambda self, *a, **k: calls.append(("forward", loop.batch_idx)))
+    strategy._pipeline, strategy._graphs, strategy._sharded = None, ([], []), None
+    strategy._grad_sync = SimpleNamespace(new_step=lambda: calls.append(("new_step", loop.batch_idx)))
+    for i in (0, 1, 2, 3, 4, 0, 1):  # a short last step of an epoch (3, 4), then the next epoch
+        loop.batch_idx = i
+        strategy.training_step({"tokens": None}, i)
+    assert calls == [("new_step", 0), ("forward", 0), ("forward", 1), ("forward", 2), ("new_step", 3),
+                     ("forward", 3), ("forward", 4), ("new_step", 0), ("forward", 0), ("forward", 1)]
