@@ -350,9 +350,10 @@ def test_cuda_graphs_fp8_cache_after_the_sanity_check(tmp_path):
 
 def test_cuda_graphs_deferral_windows_and_unfinished_steps_match_eager(tmp_path):
     """The deferred wgrad in graphs with a window smaller than the step (2 of 4 micro-batches: graph copies 0, 1, 0,
-    1), epochs of 10 batches (a short last step of 2), and a step left after 1 micro-batch, mid-window (the rest of
-    epoch 1 skipped by ``on_train_batch_start`` returning -1): each step's first micro-batch replays copy 0, and
-    losses and weights are eager's."""
+    1), epochs of 10 batches (a short last step of 2), and a step left mid-window: the module's
+    ``on_train_batch_start`` returns -1 at batch 7 of epoch 1, which skips the rest of the epoch with no optimizer
+    step, so epoch 2's zero_grad drops batches 4-6, whose replays filled copies 0, 1 (a pass) and 0. Each step's first
+    micro-batch must replay copy 0, and losses and weights are eager's."""
     import numpy as np
 
     from lightning_moe import MoEFoldStrategy, MoELanguageModel, TokenDataModule
@@ -363,14 +364,11 @@ def test_cuda_graphs_deferral_windows_and_unfinished_steps_match_eager(tmp_path)
         losses, copies = [], []
 
         class Rec(L.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                if trainer.current_epoch == 1 and batch_idx == 5:
-                    return -1  # micro-batch 4 of epoch 1 never reaches an optimizer step
-
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses.append(outputs["lm_loss"].detach().float().cpu())
                 if graphs and batch_idx % 4 == 0:  # a step's first micro-batch: copy 0 replayed, 1 filled
-                    copies.append(max(c.filled for c in trainer.strategy._grad_sync._copies.values()))
+                    copies.append((trainer.current_epoch, batch_idx,
+                                   max(c.filled for c in trainer.strategy._grad_sync._copies.values())))
 
         trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-true", max_steps=7,
                             strategy=MoEFoldStrategy(cuda_graphs=graphs, defer_expert_wgrad=2),
@@ -378,13 +376,17 @@ def test_cuda_graphs_deferral_windows_and_unfinished_steps_match_eager(tmp_path)
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
                             enable_checkpointing=False, enable_model_summary=False, callbacks=[Rec()])
         model = MoELanguageModel(preset="tiny", overrides={**OVR, "num_layers": 3}, seed=3, lr=3e-3, warmup_steps=1)
+        # the module's -1 (a callback's is ignored): batches 4-6 of epoch 1 never reach an optimizer step
+        model.on_train_batch_start = lambda batch, i: -1 if (trainer.current_epoch, i) == (1, 7) else None
         trainer.fit(model, datamodule=TokenDataModule(path=tokens, seq_length=256, batch_size=2))
         state = {k: v.detach().float().cpu() for k, v in model.model.state_dict().items()}
         return torch.stack(losses), state, trainer.global_step, copies
 
     loss_e, state_e, steps_e, _ = fit(False)
     loss_g, state_g, steps_g, copies = fit(True)
-    assert steps_e == steps_g == 7 and len(copies) == 8 and set(copies) == {1}, copies
+    print("first micro-batches (epoch, batch, copies filled):", copies)
+    assert steps_e == steps_g == 7 and {c[2] for c in copies} == {1}, copies
+    assert [c[:2] for c in copies] == [(0, 0), (0, 4), (0, 8), (1, 0), (1, 4), (2, 0), (2, 4), (2, 8)], copies
     torch.testing.assert_close(loss_g, loss_e, rtol=2e-3, atol=0)
     worst = max(((state_g[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in state_e.items())
     print(f"windows of 2 of 4, short and unfinished steps: max |loss diff| {(loss_g - loss_e).abs().max().item():.3g},"
