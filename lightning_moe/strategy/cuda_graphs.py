@@ -69,30 +69,45 @@ def capture_blocks(blocks: Sequence[nn.Module], x_shape: tuple[int, ...], dtype:
     device = positions_S.device
     saved = [(b, b.detach().clone()) for blk in blocks for b in blk.buffers()]
     eager = [blk.forward for blk in blocks]
+    own = [vars(blk).get("forward") for blk in blocks]  # instance-level forwards, to put back as they were
     samples = tuple((torch.randn(x_shape, device=device, dtype=dtype, requires_grad=True), positions_S)
                     for _ in blocks)
     pool = torch.cuda.graph_pool_handle()
     graphed: list[list] = [[] for _ in blocks]  # per block, its copies' graphed forwards
     k, n = 0, 1
-    while k < n:
-        on_copy(k)
-        # one pool: a copy runs whole (forward, then backward) before another starts, and what it keeps may lie in
-        # an earlier copy's scratch, which is safe while copies replay in order (graph_deferral.py says why they do)
-        torch.cuda.make_graphed_callables(tuple(blocks), samples, num_warmup_iters=num_warmup_iters if k == 0 else 0,
-                                          allow_unused_input=True, pool=pool)
-        for blk, eager_forward, copies_of_blk in zip(blocks, eager, graphed):
-            copies_of_blk.append(blk.forward)
-            blk.forward = eager_forward  # again, for the next copy's capture
-        n = copies() if k == 0 else n
-        k += 1
-    for b, value in saved:  # the warm-up iterations ran the blocks: undo their writes to routing counters
-        b.copy_(value)
+    try:
+        while k < n:
+            on_copy(k)
+            # one pool: a copy runs whole (forward, then backward) before another starts, and what it keeps may lie
+            # in an earlier copy's scratch, which is safe while copies replay in order (graph_deferral.py says why)
+            torch.cuda.make_graphed_callables(tuple(blocks), samples,
+                                              num_warmup_iters=num_warmup_iters if k == 0 else 0,
+                                              allow_unused_input=True, pool=pool)
+            for blk, copies_of_blk in zip(blocks, graphed):
+                copies_of_blk.append(blk.forward)
+            _restore(blocks, own)  # the eager forwards again, for the next copy's capture
+            n = copies() if k == 0 else n
+            k += 1
+    except BaseException:
+        _restore(blocks, own)
+        raise
+    finally:
+        for b, value in saved:  # the warm-up iterations ran the blocks: undo their writes to routing counters
+            b.copy_(value)
     for blk, eager_forward, copies_of_blk in zip(blocks, eager, graphed):
         blk.forward = _guarded(blk, copies_of_blk, eager_forward, torch.Size(x_shape), dtype, select)
     handles = []
     if copy_param_grads:
         handles = [p.register_hook(_copy_grad) for blk in blocks for p in blk.parameters() if p.requires_grad]
     return handles
+
+
+def _restore(blocks: Sequence[nn.Module], own: list) -> None:
+    for blk, forward in zip(blocks, own):
+        if forward is None:
+            blk.__dict__.pop("forward", None)
+        else:
+            blk.forward = forward
 
 
 def release_blocks(blocks: Sequence[nn.Module], handles: list) -> None:

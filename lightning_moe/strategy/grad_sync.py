@@ -107,6 +107,7 @@ class GradSync:
         self._copies: dict[int, HeldCopies] = {}
         self.graph_window: Optional[int] = None
         self.capture_copy: Optional[int] = None  # set from the first copy's warm-up to the end of the last capture
+        self._captured: set[int] = set()  # the weights whose deferred wgrad copy ``capture_copy`` captured
         self._replaying = 0  # the copy the last graphed forward replayed
         # the captured fused GEMMs' placeholder gradients: views of one buffer per dtype, made in the capture's warm-up
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
@@ -258,6 +259,11 @@ class GradSync:
         self._placeholders.clear()
         self.graph_window = self.capture_copy = None
 
+    def begin_copy(self, k: int) -> None:
+        """MoEFoldStrategy's capture: graph copy k's capture starts (copy 0's with the warm-up)."""
+        self.capture_copy = k
+        self._captured.clear()
+
     def graph_copies(self) -> int:
         """After the capture's warm-up: how many copies of the graphs the deferred wgrad needs (its window), else 1."""
         sizes = {c.size for c in self._copies.values()}
@@ -295,6 +301,10 @@ class GradSync:
             if copies is None or self.capture_copy is None:
                 raise RuntimeError("GradSync.defer_wgrad inside a CUDA graph capture without the warm-up that counts "
                                    "its copies (MoEFoldStrategy sets graph_window and capture_copy as it captures)")
+            if id(p) in self._captured:  # one copy holds one micro-batch's operands per weight
+                raise RuntimeError("CUDA graphs: a weight whose wgrad is deferred runs two GEMMs in one captured "
+                                   "backward (used twice in the forward); turn defer_expert_wgrad off under graphs")
+            self._captured.add(id(p))
             copies.capture(self.capture_copy, held, run)
             self._deferred_any = True
             return

@@ -189,7 +189,8 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
             gradient-accumulation fusion (bf16 weights); refused, naming why, where it is off. Under ``cuda_graphs``
             the blocks are captured once per micro-batch of the window, each copy's graphs keeping its operands
             (``strategy/graph_deferral.py``): the capture takes that many times longer, and each copy's static
-            outputs stay in memory (all of the step's micro-batches without an N).
+            tensors (about three activations per block) stay in memory besides the operands (all of the step's
+            micro-batches without an N; on an 80 GB H100 Qwen3's 4 layers at 2 x 8 need N = 4).
             ``FP8Training(defer_expert_wgrad=...)`` sets the FP8 experts' own (their FP8 wgrad); FP8Training refuses
             this option where its experts' wgrad would not take it, and a rank whose experts deferred nothing in the
             first step warns.
@@ -528,13 +529,20 @@ class MoEFoldStrategy(OptimizerHooks, ParallelStrategy):
         sync = self._grad_sync
         # the deferred expert wgrad's window (graph_deferral.py), found in the warm-up: at most a step's micro-batches
         sync.graph_window = max(1, self.lightning_module.trainer.accumulate_grad_batches)
-        with self.precision_plugin.train_step_context():
-            # fp32 main grads: GradSync's hook consumes each gradient at once, so the graphs' static gradient
-            # buffers can go to autograd as they are; otherwise param.grad accumulates and must get a copy
-            handles = capture_blocks(blocks, x_shape, dtype, positions_S, copy_param_grads=not sync.main_grads,
-                                     copies=sync.graph_copies, on_copy=lambda k: setattr(sync, "capture_copy", k),
-                                     select=sync.graph_copy)
+        try:
+            with self.precision_plugin.train_step_context():
+                # fp32 main grads: GradSync's hook consumes each gradient at once, so the graphs' static gradient
+                # buffers can go to autograd as they are; otherwise param.grad accumulates and must get a copy
+                handles = capture_blocks(blocks, x_shape, dtype, positions_S, copy_param_grads=not sync.main_grads,
+                                         copies=sync.graph_copies, on_copy=sync.begin_copy, select=sync.graph_copy)
+        except BaseException:
+            sync.discard()  # the warm-up's writes and held operands
+            sync.graphs_released()  # nothing captured stays referenced: the blocks run eagerly
+            raise
         sync.capture_copy = None
+        # the warm-up's writes to main grads and its held operands: a capture at a step's later micro-batch (a fit
+        # resumed mid-step) has no zero_grad before this micro-batch's backward to drop them
+        sync.discard()
         self._graphs = (blocks, handles)
 
     def pipeline_timing(self) -> dict:

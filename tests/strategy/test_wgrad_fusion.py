@@ -280,13 +280,14 @@ def _experts_run(fuse: bool, micro=3) -> tuple:
     return ex, sync, out
 
 
-def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4, abandon=()) -> tuple:
+def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4, abandon=(), start=0) -> tuple:
     """bf16 GroupedExperts with the deferred wgrad (``expert_deferral = (True, window)``), ``steps`` optimizer steps of
     ``micro`` micro-batches; each step's main grads. ``graphs``: emulated CUDA graphs, on the CPU. A warm-up backward
     (``autograd.grad``, no hooks, as make_graphed_callables runs it) finds the window; then every backward runs as the
     capture of the copy that the strategy would replay does (``graph_copy``), with ``_capturing`` true: its operands
     stay with that copy, and the weight's hook fires, as at a replay. ``abandon``: micro-batches whose step never
-    finishes, run before the second step."""
+    finishes, run before the second step. ``start``: the first step begins at this micro-batch (a fit resumed
+    mid-step: the capture at that micro-batch, and no zero_grad before its backward)."""
     from lightning_moe.modules.experts import GroupedExperts
     from lightning_moe.strategy import grad_sync as gs
     torch.manual_seed(0)
@@ -300,29 +301,33 @@ def _deferred_steps(window, graphs: bool, monkeypatch, steps=2, micro=4, abandon
     batches = [tuple(torch.randn(23, 16, generator=g).to(torch.bfloat16) for _ in range(2))
                for _ in range(steps * micro)]
     if graphs:
-        sync.graph_window, sync.capture_copy = micro, 0  # the first copy's warm-up, eager
+        sync.graph_window = micro
+        sync.begin_copy(0)  # the first copy's warm-up, eager
         monkeypatch.setattr(gs, "_capturing", lambda t: False)
         x = batches[0][0].clone().requires_grad_()
         torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), batches[0][1])
         assert len(sync._copies) == 2 and sync.graph_copies() == (window or micro)
         monkeypatch.setattr(gs, "_capturing", _replayed())
+        sync.capture_copy = None
+        sync.discard()  # MoEFoldStrategy, after the capture: the warm-up's held operands
     out = []
     for step in range(steps):
         if abandon and step == 1:  # a step left after 2 micro-batches (Lightning skipped the rest of the epoch)
             for x, dy in abandon:
-                sync.capture_copy = sync.graph_copy()
+                sync.begin_copy(sync.graph_copy())
                 ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
             assert not graphs or sync.graph_copy() == 2
-        sync.new_step()  # MoEFoldStrategy.training_step, before the step's first forward
-        for i in range(micro):
+        if not (start and step == 0):
+            sync.new_step()  # MoEFoldStrategy.training_step, before the step's first forward
+        for i in range(start if step == 0 else 0, micro):
             if i == micro - 1:
                 sync.arm()
             x, dy = batches[step * micro + i]
-            sync.capture_copy = sync.graph_copy()  # the copy this micro-batch's forward would replay
+            sync.begin_copy(sync.graph_copy())  # as if the copy this micro-batch's forward replays were captured
             if i == 0:
                 sync.discard()  # Lightning's zero_grad: after the step's first forward, before its backward
             ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
-            assert sync.capture_copy == i % (window or micro) or not graphs
+            assert not graphs or sync.capture_copy == (i - (start if step == 0 else 0)) % (window or micro)
             assert not graphs or not sync._deferred  # nothing held eagerly: all with the graph copies
         sync.finish()
         out.append((ex.w13.main_grad.clone(), ex.w2.main_grad.clone()))
@@ -342,6 +347,17 @@ def test_deferred_expert_wgrad_through_graph_copies_equals_the_eager_deferral(wi
     for (a13, a2), (b13, b2) in zip(eager, graphed):
         assert torch.equal(a13, b13) and torch.equal(a2, b2)
     assert not torch.equal(eager[0][0], eager[1][0])  # the steps differ: a stale copy would show
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_fit_resumed_mid_step_captures_without_the_warm_ups_leftovers(window, monkeypatch):
+    """A fit resumed at a step's third micro-batch captures there, with no zero_grad before that backward: the
+    warm-up's held operands are dropped after the capture (``discard``, as MoEFoldStrategy calls it), so the main
+    grads are the eager run's from the same micro-batch on, bit for bit."""
+    eager = _deferred_steps(window, False, monkeypatch, start=2)
+    graphed = _deferred_steps(window, True, monkeypatch, start=2)
+    for (a13, a2), (b13, b2) in zip(eager, graphed):
+        assert torch.equal(a13, b13) and torch.equal(a2, b2)
 
 
 def test_a_step_left_unfinished_does_not_shift_the_next_steps_graph_copies(monkeypatch):
@@ -389,7 +405,8 @@ def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(p
                 b.reduce = True  # as under data parallelism: the bucket launches at the armed backward
         sync._launch = lambda b: launched.append([(p, p.main_grad.clone()) for p in b.params])
         if graphs:  # the capture's warm-up, on a replay's shapes
-            sync.graph_window, sync.capture_copy = len(kinds), 0
+            sync.graph_window = len(kinds)
+            sync.begin_copy(0)
             x, dy = data[kinds.index("replay")]
             x = x.clone().requires_grad_()
             torch.autograd.grad(ex(x, counts, has_tail=True), (x, ex.w13, ex.w2), dy)
@@ -398,7 +415,7 @@ def test_replays_and_eager_calls_are_all_in_main_grad_when_the_bucket_launches(p
             if i == len(kinds) - 1:
                 sync.arm()
             monkeypatch.setattr(gs, "_capturing", _replayed(lambda: graphs and kind == "replay"))
-            sync.capture_copy = sync.graph_copy()
+            sync.begin_copy(sync.graph_copy())
             ex(x.clone().requires_grad_(), counts, has_tail=True).backward(dy)
         assert len(launched) == 1
         sync.finish()
@@ -433,6 +450,8 @@ def test_captured_writes_add_and_each_graph_copy_keeps_its_operands(monkeypatch)
         copies.capture(3, (torch.zeros(2),), None)
     with pytest.raises(RuntimeError, match="copies 0 and 1 hold the same operand memory"):
         copies.capture(1, copies.held[0], None)  # e.g. a buffer every copy shares: the pass would read one value
+    with pytest.raises(RuntimeError, match="copies 1 and 2 hold the same operand memory"):
+        copies.capture(2, copies.held[1], None)
     assert not copies.replayed() and not copies.replayed() and [h[0][0].item() for h in copies.take()] == [0, 1]
     assert copies.replayed()  # the window is full
     fresh = HeldCopies(p, 2)
@@ -465,8 +484,9 @@ def test_graph_copies_refuse_mixed_windows_and_finish_runs_what_is_left():
     copies.replayed()
     sync.discard()
     assert copies.filled == 0 and sync.graph_copy() == 0
+    sync._placeholders[torch.float32] = torch.empty(3)
     sync.graphs_released()
-    assert not sync._copies and sync.graph_window is None and sync.capture_copy is None
+    assert not sync._copies and not sync._placeholders and sync.graph_window is None and sync.capture_copy is None
 
 
 def test_captured_placeholders_share_one_buffer_made_in_the_warm_up(monkeypatch):
@@ -477,7 +497,8 @@ def test_captured_placeholders_share_one_buffer_made_in_the_warm_up(monkeypatch)
     big, small = torch.nn.Parameter(torch.zeros(4, 6)), torch.nn.Parameter(torch.zeros(3, 2))
     sync = GradSync([big, small], ParallelContext.single(), main_grads=True)
     assert sync.placeholder(big).shape == (4, 6) and not sync._placeholders  # no capture coming
-    sync.graph_window, sync.capture_copy = 2, 0  # the first copy's warm-up
+    sync.graph_window = 2
+    sync.begin_copy(0)  # the first copy's warm-up
     sync.placeholder(small)
     sync.placeholder(big)
     sync.placeholder(small)
@@ -655,3 +676,99 @@ def test_the_strategy_starts_each_step_at_graph_copy_0(monkeypatch):
         strategy.training_step({"tokens": None}, i)
     assert calls == [("new_step", 0), ("forward", 0), ("forward", 1), ("forward", 2), ("new_step", 3),
                      ("forward", 3), ("forward", 4), ("new_step", 0), ("forward", 0), ("forward", 1)]
+
+
+def _capture_rig(monkeypatch, fail_at=None):
+    """MoEFoldStrategy._capture_cuda_graphs over two stand-in blocks with a stand-in capture (CPU): the first copy's
+    warm-up finds a window of 3, leaves held operands, a fused write and a stale graphed main grad, and bumps a routing
+    counter; ``fail_at``: the copy whose capture raises."""
+    from types import SimpleNamespace
+
+    from lightning_moe import MoEFoldStrategy
+    from lightning_moe.strategy.graph_deferral import HeldCopies
+    p, d = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(2))
+    sync = GradSync([p, d], ParallelContext.single(), main_grads=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x, positions):
+            return x + 1, None
+
+    blocks, seen = [Block(), Block()], []
+
+    def fake_capture(callables, samples, num_warmup_iters, allow_unused_input, pool):
+        k = sync.capture_copy
+        seen.append((k, num_warmup_iters, pool, all("forward" not in vars(b) for b in callables)))
+        if k == 0:
+            sync._copies[id(p)] = HeldCopies(p, 3)
+            sync._deferred[id(p)] = (p, None, [(torch.ones(1),)])
+            sync._holding.add(id(p))
+            sync._fused.add(id(d))
+            for b in callables:
+                b.count += 1
+        sync._graphed[id(d)] = d
+        d.main_grad.fill_(5.0)
+        if k == fail_at:
+            raise torch.cuda.OutOfMemoryError("stand-in")
+        for b in callables:
+            b.forward = lambda x, pos, k=k: ("copy", k)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    strategy = MoEFoldStrategy(cuda_graphs=True)
+    strategy._grad_sync = sync
+    module = SimpleNamespace(trainer=SimpleNamespace(accumulate_grad_batches=4),
+                             cuda_graph_blocks=lambda batch: (blocks, (2, 3), torch.float32, torch.arange(3)))
+    monkeypatch.setattr(MoEFoldStrategy, "lightning_module", property(lambda self: module))
+    return strategy, sync, blocks, seen, p, d
+
+
+def test_the_strategy_captures_a_copy_per_micro_batch_of_the_window_and_drops_the_warm_ups_leftovers(monkeypatch):
+    """``_capture_cuda_graphs``: copies 0, 1, 2 (the window the warm-up found), each captured from the eager forwards
+    in one pool, the warm-up only for the first; afterwards no copy is being captured, the warm-up's held operands and
+    writes are dropped (a capture mid-step has no zero_grad before its backward), the routing counters are restored,
+    and each forward replays the copy ``graph_copy`` names."""
+    strategy, sync, blocks, seen, p, d = _capture_rig(monkeypatch)
+    strategy._capture_cuda_graphs(None)
+    assert seen == [(0, 3, "pool", True), (1, 0, "pool", True), (2, 0, "pool", True)]
+    assert sync.capture_copy is None and sync.graph_window == 4 and strategy._graphs is not None
+    assert not sync._deferred and not sync._holding and not sync._fused and not d.main_grad.any()
+    assert all(b.count.item() == 0 for b in blocks)
+    x = torch.zeros(2, 3)
+    for k in (0, 2, 1):
+        sync._copies[id(p)].filled = k
+        assert blocks[1](x, None) == ("copy", k)
+
+
+def test_a_failed_capture_leaves_eager_blocks_and_no_graph_state(monkeypatch):
+    """A capture that raises (say out of memory at the second copy) leaves the blocks eager as they were, the routing
+    counters restored, and GradSync with no copies, no copy being captured and none of the warm-up's leftovers."""
+    strategy, sync, blocks, seen, p, d = _capture_rig(monkeypatch, fail_at=1)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        strategy._capture_cuda_graphs(None)
+    assert [s[0] for s in seen] == [0, 1] and strategy._graphs is None
+    assert all("forward" not in vars(b) and b.count.item() == 0 for b in blocks)
+    assert torch.equal(blocks[0](torch.zeros(2, 3), None)[0], torch.ones(2, 3))
+    assert sync.capture_copy is None and sync.graph_window is None and not sync._copies and not sync._graphed
+    assert not sync._deferred and not sync._holding and not sync._fused and not d.main_grad.any()
+
+
+def test_a_weight_deferred_twice_in_one_captured_backward_is_refused(monkeypatch):
+    """One graph copy holds one micro-batch's operands per weight: a second deferred GEMM of the same weight in one
+    captured backward (a weight used twice) is refused; the next copy's capture may hold it again."""
+    from lightning_moe.strategy import grad_sync as gs
+    from lightning_moe.strategy.graph_deferral import HeldCopies
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    sync = GradSync([p], ParallelContext.single(), main_grads=True)
+    sync._copies[id(p)] = HeldCopies(p, 2)
+    monkeypatch.setattr(gs, "_capturing", _replayed())
+    sync.begin_copy(0)
+    sync.defer_wgrad(p, (torch.zeros(2),), None)
+    with pytest.raises(RuntimeError, match="used twice in the forward"):
+        sync.defer_wgrad(p, (torch.ones(2),), None)
+    sync.begin_copy(1)
+    sync.defer_wgrad(p, (torch.ones(2),), None)
+    assert [h[0][0].item() for h in sync._copies[id(p)].held] == [0.0, 1.0]
