@@ -273,7 +273,8 @@ class GradSync:
         return sizes.pop() if sizes else 1
 
     def graph_copy(self) -> int:
-        """The graph copy the next forward replays: the replays since the window's last pass."""
+        """The graph copy the next forward replays: the replays since the window's last pass (recorded: the weights'
+        hooks check that its backward counts as that copy)."""
         self._replaying = max((c.filled for c in self._copies.values()), default=0)
         return self._replaying
 
