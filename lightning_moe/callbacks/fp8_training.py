@@ -73,10 +73,10 @@ class FP8Training(L.Callback):
         cache_weights: quantize each weight once per optimizer step, not once per micro-batch (Transformer
             Engine's FP8 weight cache): the experts' for the FP8 grouped kernels, and the dense linears' for their
             forward and (transposed) dgrad GEMMs. The micro-batches of a step, and a validation between steps, reuse
-            them. Costs the FP8 copies (two layouts, 2 bytes per weight element) until the next step. Not for the
-            delayed recipe (its amax history advances at every use). Under ``MoEFoldStrategy(cuda_graphs=True)`` the
-            copies are rewritten in place before each step's first batch, outside the graphs, which read them where
-            they were captured.
+            them. Costs the FP8 copies (two layouts, 2 bytes per weight element) until the next step. Under the
+            delayed recipe a weight's amax history then advances once per step. Under
+            ``MoEFoldStrategy(cuda_graphs=True)`` the copies are rewritten in place before each step's first batch,
+            outside the graphs, which read them where they were captured.
         fast_accum: which FP8 GEMMs use Hopper's fast accumulation: ``"fprop"`` (default) the forward ones, as
             Transformer Engine does, with the precise (split) accumulator for dgrad and wgrad; ``"all"`` every one,
             as torchao's MoE training does (about 2x faster backward GEMMs at fine-grained expert shapes, fewer

@@ -37,19 +37,31 @@ def _fake(x: torch.Tensor, amax: torch.Tensor, fmt: str) -> torch.Tensor:
     return q.float() / scale
 
 
-def _reduced(amax: torch.Tensor, spec: FP8Spec, name: str, features: bool, tokens: bool = False) -> torch.Tensor:
-    """``amax`` max-reduced over the ETP group (``features``: the split runs through these blocks) and the expert's
-    data-parallel ranks (``tokens``: they hold other tokens of the same experts)."""
+def reduce_groups(amax: torch.Tensor, spec: FP8Spec, features: bool, tokens: bool = False) -> torch.Tensor:
+    """``amax`` max-reduced in place over the ETP group (``features``: the split runs through these blocks) and the
+    expert's data-parallel ranks (``tokens``: they hold other tokens of the same experts)."""
     for reduce, group in ((features, spec.group), (tokens, spec.data_group)):
         if reduce and group is not None:
             dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
-    if spec.recipe == "delayed":
-        return spec.histories.setdefault(name, _History(spec.history)).update(amax)
     return amax
 
 
+def _reduced(amax: torch.Tensor, spec: FP8Spec, name: str, features: bool, tokens: bool = False) -> torch.Tensor:
+    """``reduce_groups``, then under delayed scaling the amax to scale by from operand ``name``'s history."""
+    reduce_groups(amax, spec, features, tokens)
+    if spec.recipe == "delayed":
+        return history(spec, name).update(amax)
+    return amax
+
+
+def history(spec: FP8Spec, name: str) -> "_History":
+    return spec.histories.setdefault(name, _History(spec.history))
+
+
 class _History:
-    """Delayed scaling for per-expert amaxes: the max over the last ``length`` steps, elementwise."""
+    """Delayed scaling for per-expert amaxes: the max over the last ``length`` uses, elementwise; the current amax
+    enters after use (``update``, or ``used`` before the operand is read and ``push`` after: the kernels that
+    quantize with the history's scale record the amax in the same pass)."""
 
     def __init__(self, length: int):
         self.length, self.past = length, None
@@ -58,8 +70,15 @@ class _History:
         if self.past is None:
             self.past = current.unsqueeze(0).repeat(self.length, *([1] * current.ndim))
         used = self.past.amax(0)
-        self.past = torch.cat([current.unsqueeze(0), self.past[:-1]])
+        self.push(current)
         return used
+
+    def used(self) -> Optional[torch.Tensor]:
+        """The amax to scale by before the current one is known; None on first use (then ``update``)."""
+        return None if self.past is None else self.past.amax(0)
+
+    def push(self, current: torch.Tensor) -> None:
+        self.past = torch.cat([current.unsqueeze(0), self.past[:-1]])
 
 
 def _segment_amax(a_MX: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
@@ -100,7 +119,11 @@ def weights_amax(w_LKN, along: str, t: Tiling, spec: FP8Spec, name: str, reduce:
 
 
 def _weights(w_LKN, along: str, t: Tiling, fmt: str, spec: FP8Spec, name: str, reduce: bool, split_along: bool):
-    """Each expert's weight along K (forward: the GEMM reduces over K) or along N (dgrad)."""
+    """Each expert's weight along K (forward: the GEMM reduces over K) or along N (dgrad). Delayed scaling's are
+    made once per optimizer step where FP8Training caches weights (``FP8Spec.cached_weight``), as the kernels'."""
+    if spec.recipe == "delayed":
+        return spec.cached_weight(f"emulated_{name}", w_LKN, lambda: _fake(
+            w_LKN, weights_amax(w_LKN, along, t, spec, name, reduce, split_along), fmt))
     if t.cols is None:
         return _fake(w_LKN, weights_amax(w_LKN, along, t, spec, name, reduce, split_along), fmt)
     L, K, N = w_LKN.shape

@@ -42,6 +42,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from lightning_moe.modules import fp8_grouped_both as both
 from lightning_moe.modules import wgrad_fusion
 from lightning_moe.modules.expert_padding import fp8_rows_layout, padded_layout, scatter_rows
 from lightning_moe.modules.fp8 import FORMATS, fused, scale_of, tiling
@@ -195,6 +196,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         offs = offs_L.to(torch.int32)
+        ctx.both = both.kernels(spec, x_MK) if wgrad else None
+        if ctx.both is not None:  # one scale per expert: both layouts of each operand in one pass
+            return both.forward(ctx, x_MK, w_LKN, offs, spec, sync)
         tq = _quant_kernels(spec, x_MK)
         ctx.padded = None
         if tq is not None:  # the rows' experts, and the wgrad's padded layout, in one launch (int32, as kernels read)
@@ -236,6 +240,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_MN):
+        if ctx.both is not None:
+            return (*both.backward(ctx, dy_MN), None, None, None, None)
         x_MK, w_LKN, offs, gid_M = ctx.saved_tensors
         spec = ctx.spec
         fwd, bwd = spec.formats()
@@ -295,20 +301,28 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dw = _gemm(xT_KP, dyT_NP.t(), xs_LK.reshape(L * K).reciprocal(), ds_LN.reshape(L * N).reciprocal(),
                        poffs_L.to(torch.int32), spec.fast("wgrad"))
             return dx.to(x_MK.dtype), dw.to(w_LKN.dtype), None, None, None, None
-        a, b, fast = (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), spec.fast("wgrad")
-        # never read under the fusion: it only fires GradSync's hook, which drops it
-        dw = ctx.sync.placeholder(ctx.param) if ctx.sync is not None else torch.empty_like(w_LKN)
-        if defer:  # held until the step's last backward
-            ctx.sync.defer_wgrad(ctx.param, (a, b, poffs_L),
-                                 lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec),
-                                 spec.defer_window)
-        elif ctx.sync is not None:
-            ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
-                                                                                 per_expert=True, fast=fast))
-        else:
-            wk.wgrad_into(dw, a, b, poffs_L, True, per_expert=True, fast=fast)
-        ctx.sync = ctx.param = None
+        dw = triton_wgrad(ctx, wk, (xT_KP, xs_LK.reciprocal()), (dyT_NP, ds_LN.reciprocal()), poffs_L, w_LKN, defer)
         return dx.to(x_MK.dtype), dw, None, None, None, None
+
+
+def triton_wgrad(ctx, wk, a: tuple, b: tuple, poffs_L: torch.Tensor, w_LKN: torch.Tensor, defer: bool):
+    """The FP8 wgrad on ``triton_fp8_wgrad`` from its operands ``a = (aT (K, P), dequantization scales (L, K))`` and
+    ``b`` likewise (N): into the main grad under GradSync's fusion (held until the step's last backward with
+    ``defer``), else a new gradient. Returns what autograd gets for the weight."""
+    spec, fast = ctx.spec, ctx.spec.fast("wgrad")
+    # never read under the fusion: it only fires GradSync's hook, which drops it
+    dw = ctx.sync.placeholder(ctx.param) if ctx.sync is not None else torch.empty_like(w_LKN)
+    if defer:  # held until the step's last backward
+        ctx.sync.defer_wgrad(ctx.param, (a, b, poffs_L),
+                             lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec),
+                             spec.defer_window)
+    elif ctx.sync is not None:
+        ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
+                                                                             per_expert=True, fast=fast))
+    else:
+        wk.wgrad_into(dw, a, b, poffs_L, True, per_expert=True, fast=fast)
+    ctx.sync = ctx.param = None
+    return dw
 
 
 def _held_slots(spec: FP8Spec, helds: list, K: int, N: int, P: int) -> tuple:
@@ -376,7 +390,8 @@ def scaled_grouped_mm(x_MK: torch.Tensor, w_LKN: torch.Tensor, offs_L: torch.Ten
                       ) -> torch.Tensor:
     """``y_g = x_g W_g`` for each expert, forward, dgrad and wgrad on FP8 kernels."""
     # under GradSync's fusion the Triton wgrad goes into the main grad (decided here: grad mode is off in forward)
-    triton_wgrad = spec.formats()[1] == "e4m3" and _triton_wgrad(_quant_kernels(spec, x_MK), x_MK) is not None
+    triton_wgrad = spec.formats()[1] == "e4m3" and (_triton_wgrad(_quant_kernels(spec, x_MK), x_MK) is not None
+                                                    or both.kernels(spec, x_MK) is not None)
     unquantized = not spec.fp8_wgrad and spec.formats()[1] == "e4m3"  # E5M2: the emulated backward's wgrad
     sync = wgrad_fusion.sink_for(w_LKN, x_MK, grouped=True) if triton_wgrad or unquantized else None
     wgrad = torch.is_grad_enabled() and w_LKN.requires_grad and spec.fp8_wgrad

@@ -91,10 +91,11 @@ class FP8Spec:
 
     def cached_weight(self, name: str, w: torch.Tensor, make):
         """``make()``, the quantized weight operand ``name``, made once per optimizer step: the micro-batches of a step
-        (and a validation between steps) see the same weights, as Transformer Engine caches FP8 weights. Not for
-        delayed scaling, whose amax history advances at every use, nor without a step (outside FP8Training). With
-        ``in_place`` a new step's copy is written over the old one's tensors (``refresh``)."""
-        if self.step is None or self.recipe == "delayed":
+        (and a validation between steps) see the same weights, as Transformer Engine caches FP8 weights; under
+        delayed scaling the weight's amax history then advances once per step, at ``make``. Not without a step
+        (outside FP8Training). With ``in_place`` a new step's copy is written over the old one's tensors
+        (``refresh``)."""
+        if self.step is None:
             return make()
         hit = self.weights.get(name)
         if hit is not None and hit[1] == w.data_ptr() and (hit[0] == self.step or self.in_place):

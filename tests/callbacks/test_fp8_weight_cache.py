@@ -30,9 +30,33 @@ def test_cached_weight_is_made_once_per_step_and_weight():
     other = torch.ones(2, 3)  # another weight tensor (e.g. a reload) at the same step: stale too
     spec.cached_weight("w", other, make)
     assert len(calls) == 5 and len(spec.weights) == 2
-    delayed = FP8Spec("delayed", step=0)  # its amax history advances at every use: never cached
+    delayed = FP8Spec("delayed", step=0)  # cached too: its weights' amax histories advance once per step
     delayed.cached_weight("w", w, make), delayed.cached_weight("w", w, make)
-    assert len(calls) == 7 and not delayed.weights
+    assert len(calls) == 6 and list(delayed.weights) == ["w"]
+
+
+def test_delayed_weights_history_advances_once_per_step():
+    """The delayed recipe's emulated expert weights under the cache: one quantization (and one push into the weight's
+    amax history) per optimizer step, however many micro-batches use them; the forward's and dgrad's copies alike."""
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    torch.manual_seed(0)
+    spec = FP8Spec("delayed", history=4, step=0)
+    w = torch.randn(2, 8, 4, requires_grad=True)
+    offs = torch.tensor([3, 6], dtype=torch.int32)
+    for step in range(2):
+        spec.step = step
+        if step:  # the optimizer's update, in place
+            with torch.no_grad():
+                w.mul_(2)
+        for _ in range(3):  # micro-batches
+            fp8_grouped_mm(torch.randn(6, 8), w, offs, spec).sum().backward()
+    assert sorted(spec.weights) == ["emulated_w", "emulated_w_t"]
+    past = spec.histories["w"].past.reshape(4, -1)  # 4 slots: the first use fills them, then one push per step
+    first = w.detach().abs().amax((1, 2)) / 2
+    assert torch.equal(past[0], 2 * first) and all(torch.equal(past[i], first) for i in (1, 2, 3))
+    assert torch.equal(spec.histories["w_t"].past.reshape(4, -1), past)
+    x_past = spec.histories["x"].past  # activations: one push per use
+    assert not torch.equal(x_past[0], x_past[1])
 
 
 def test_in_place_cache_rewrites_the_same_tensors_at_a_new_step():

@@ -1,0 +1,121 @@
+"""The experts' FP8 GEMMs with one scale per expert (the tensorwise and delayed recipes in E4M3): each operand in both
+layouts from one pass (``triton_fp8_both``).
+
+With one scale per expert, the forward's x and the wgrad's x^T (and the dgrad's dy and the wgrad's dy^T) are the same
+FP8 values in two layouts. So the forward quantizes x once into both and keeps x^T (FP8, half the bytes of x) for
+the wgrad; backward does the same with dy. The expert's weight is quantized once into both layouts too (cached once
+per optimizer step under FP8Training, its delayed amax history then advancing once per step). Delayed scaling takes
+the scale from the operand's history before reading it and records the current amax in the same pass; on first use,
+and under tensorwise (current) scaling, the amax comes first from a pass of its own. Each GEMM's bits are those of the
+separate passes (``fp8_grouped_kernels``' other path, with the same scales): the wgrad's x^T has x's scale (one
+history, ``x``, where the emulation also keeps ``x_t``: they differ only under recomputation, which pushes x twice).
+
+Shapes: M routed rows (sorted by expert), K input features, N output features, L local experts, P padded rows.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from lightning_moe.modules.expert_padding import fp8_rows_layout
+from lightning_moe.modules.fp8 import FORMATS, Tiling, abs_amax, saturate, scale_of
+from lightning_moe.modules.fp8_grouped import _reduced, _segment_amax, history, reduce_groups, weights_amax
+from lightning_moe.modules.fp8_linear import FP8Spec
+from lightning_moe.modules.kernels import interpreting, load
+
+ENABLED = os.environ.get("LMOE_FP8_BOTH", "1") != "0"  # 0: the separate passes, for comparisons
+
+
+def kernels(spec: FP8Spec, t: torch.Tensor):
+    """``triton_fp8_both`` where this GEMM's operands go through it: one scale per expert in E4M3, an FP8 wgrad on
+    ``triton_fp8_wgrad`` (whose 128-row layout the transposed copies take), on CUDA; else None."""
+    if (not ENABLED or spec.recipe not in ("tensorwise", "delayed") or spec.formats() != ("e4m3", "e4m3")
+            or not spec.fp8_wgrad or not t.is_cuda or interpreting()):
+        return None
+    from lightning_moe.modules import fp8_grouped_kernels as gk
+    if not gk.TRITON_WGRAD or load("triton_fp8_wgrad", t) is None:
+        return None
+    return load("triton_fp8_both", t)
+
+
+def _scale(spec: FP8Spec, name: str, x_MX: torch.Tensor, offs: torch.Tensor, split: bool) -> tuple:
+    """``(scale_L, push)``: operand ``name``'s per-expert scale, and whether the pass's current amax must still enter
+    its history (delayed scaling after first use). Otherwise the current amax from a pass of its own, reduced over the
+    ranks as ``fp8_grouped.rows_amax`` does."""
+    fmt = spec.formats()[0]
+    if spec.recipe == "delayed":
+        used = history(spec, name).used()
+        if used is not None:
+            return scale_of(used, fmt), True
+    amax_L = _segment_amax(abs_amax(x_MX.detach(), 1).squeeze(1), offs)
+    return scale_of(_reduced(amax_L, spec, name, split, tokens=True), fmt), False
+
+
+def _quantize(tb, spec: FP8Spec, name: str, x_MX: torch.Tensor, offs, layout: tuple, split: bool) -> tuple:
+    """``(q_MX, qT_XP, dequantization scales (L,))`` of operand ``name`` in one pass (after its amax, where needed)."""
+    poffs_L, P, gid_P, align = layout
+    scale_L, push = _scale(spec, name, x_MX, offs, split)
+    q, qT, amax_L = tb.quant_both(x_MX, scale_L, offs, poffs_L, gid_P, P, spec.formats()[0], align=align)
+    if push:
+        history(spec, name).push(reduce_groups(amax_L, spec, split, tokens=True))
+    return q, qT, scale_L.reciprocal()
+
+
+def _weights(w_LKN: torch.Tensor, spec: FP8Spec, col: bool, row: bool) -> tuple:
+    """``(forward copy (L, N, K), dgrad copy (L, K, N), dequantization scales (L,))``, one scale per expert."""
+    fmt = spec.formats()[0]
+    dtype, fmax = FORMATS[fmt]
+    from lightning_moe.modules.fp8_grouped_kernels import saturate_t
+    s_L11 = scale_of(weights_amax(w_LKN, "K", Tiling(None, None), spec, "w", col or row, row), fmt)
+    return saturate_t(w_LKN, s_L11, fmax, dtype), saturate(w_LKN, s_L11, fmax, dtype), s_L11.reshape(-1).reciprocal()
+
+
+def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, spec: FP8Spec, sync
+            ) -> torch.Tensor:
+    from lightning_moe.modules import fp8_grouped_kernels as gk
+    tb = ctx.both
+    L, K, N = w_LKN.shape
+    M = x_MK.shape[0]
+    col, row = spec.split == "out", spec.split == "in"
+    align = load("triton_fp8_wgrad", x_MK).T
+    gid_M, poffs_L, P, gid_P = fp8_rows_layout(offs, M, align)
+    layout = (poffs_L, P, gid_P, align)
+    xq, xT, x_inv = _quantize(tb, spec, "x", x_MK.contiguous(), offs, layout, row)
+    # both copies made once, the dgrad's kept for backward even uncached (a delayed history pushes once)
+    wq_LNK, wt_LKN, w_inv = spec.cached_weight("w_both_per_expert", w_LKN, lambda: _weights(w_LKN, spec, col, row))
+    y = gk._rows_gemm(xq, wq_LNK.transpose(1, 2), x_inv[gid_M], w_inv.unsqueeze(1).expand(L, N), offs,
+                      spec.fast("fprop"))
+    ctx.save_for_backward(xT, x_inv, w_LKN, offs, gid_M)
+    ctx.layout, ctx.w_t, ctx.spec, ctx.dtype = layout, (wt_LKN, w_inv), spec, x_MK.dtype
+    ctx.sync, ctx.param = sync, w_LKN if sync is not None else None
+    return y.to(x_MK.dtype)
+
+
+def backward(ctx, dy_MN: torch.Tensor) -> tuple:
+    """``(dx, dw)``."""
+    from lightning_moe.modules import fp8_grouped_kernels as gk
+    xT, x_inv, w_LKN, offs, gid_M = ctx.saved_tensors
+    spec, tb = ctx.spec, ctx.both
+    L, K, N = w_LKN.shape
+    col = spec.split == "out"
+    dyq, dyT, dy_inv = _quantize(tb, spec, "dy", dy_MN.contiguous(), offs, ctx.layout, col)
+    wt_LKN, w_inv = ctx.w_t
+    ctx.w_t = None
+    dx = gk._rows_gemm(dyq, wt_LKN.transpose(1, 2), dy_inv[gid_M], w_inv.unsqueeze(1).expand(L, K), offs,
+                       spec.fast("dgrad"))
+    if not ctx.needs_input_grad[1]:
+        return dx.to(ctx.dtype), None
+    wk = load("triton_fp8_wgrad", dy_MN)
+    defer = ctx.sync is not None and spec.defer_wgrad
+    poffs_L = ctx.layout[0]
+    dw = gk.triton_wgrad(ctx, wk, (xT, x_inv.unsqueeze(1).expand(L, K)), (dyT, dy_inv.unsqueeze(1).expand(L, N)),
+                         poffs_L, w_LKN, defer)
+    return dx.to(ctx.dtype), dw
+
+
+def scales_used(spec: FP8Spec, name: str) -> Optional[torch.Tensor]:
+    """The amax a delayed operand would be scaled by now (tests): its history's, or None before first use."""
+    return history(spec, name).used()

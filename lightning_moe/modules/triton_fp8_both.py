@@ -1,0 +1,177 @@
+"""Per-expert FP8 quantization into both layouts in one pass: the tensorwise and delayed recipes' expert operands.
+
+With one scale per expert (the tensorwise and delayed recipes), an operand's row-major copy for the forward or dgrad
+GEMM and its transposed copy for the wgrad GEMM hold the same values: the wgrad's scale along the expert's tokens is
+the forward's scale along the features. Where that scale is known before the operand is read (delayed scaling: the
+amax history's), one read of the operand writes both copies and records its current amax for the history:
+
+  quant_both             x (M, X) -> q (M, X), qT (X, P), amax (L,)            x forward, dy dgrad
+  swiglu_both            h (M, 2F) -> a = SwiGLU(h) quantized as above        fc2's input
+  swiglu_backward_both   g (M, F), h -> dh = SwiGLU's input gradient, as above (and the row weights' gradient)
+
+against the rowwise recipe's four passes per operand (its row amax, the column amax, then the transposed copy: 1.5x
+the bytes). qT is the wgrad's padded layout (``quant_t_padded``'s: expert e's rows at its aligned start, zeros in the
+padding); rows past the last expert's end are not written in q. Bits: ``fp8._saturate``'s (one fp32 multiply, torch's
+clamp, nearest-even cast), of the operand in its own dtype (SwiGLU's output and gradient rounded to it first, as the
+separate kernels store them).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_moe.modules.fp8 import FORMATS
+from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat
+from lightning_moe.modules.triton_launch import launch
+from lightning_moe.modules.triton_swiglu import swiglu_grad_math, swiglu_math
+
+
+@triton.jit
+def _store_both(v, s, q_ptr, qt_ptr, r64, src_ok, p, pmask, cols, cmask, X, QT_STRIDE, FMAX: tl.constexpr):
+    """``v`` (fp32, zeros where ``src_ok`` is false) quantized by ``s``, stored at its rows of q (valid rows) and
+    transposed into qT (every padded position: zeros past the expert's rows)."""
+    q = _sat(v * s, FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + r64 * X + cols[None, :], q, mask=src_ok[:, None] & cmask[None, :])
+    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * QT_STRIDE + p[None, :], tl.trans(q),
+             mask=cmask[:, None] & pmask[None, :])
+
+
+@triton.jit
+def _amax_bits(a):
+    """|x| >= 0 or NaN, ordered as its int32 bits for one atomic max (NaN: fp32's canonical one)."""
+    return tl.where(a != a, 0x7FFFFFFF, a.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, qt_ptr,
+                 amax_ptr, P, W, QT_STRIDE, FMAX: tl.constexpr, SOURCE: tl.constexpr, HAS_P: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_EXPERT: tl.constexpr):
+    """BLOCK_P padded positions x BLOCK_X columns of the W-wide source: x (SOURCE 0, q is (M, W)), SwiGLU of h
+    (1: W = F, q is (M, F)) or its input gradient from g and h (2: W = F, q is (M, 2F): both halves from one read,
+    the row weights' partial gradient per column block into ``gp``). Each position's expert, its source row, its
+    expert's scale; ``BLOCK_EXPERT``: the padded ends are multiples of BLOCK_P, so the block is one expert's (its
+    bounds and scale read once, one atomic for its amax)."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+    pmask, cmask = p < P, cols < W
+    if BLOCK_EXPERT:
+        g = tl.load(gid_ptr + tl.program_id(0) * BLOCK_P)
+        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        end = tl.load(offs_ptr + g)
+        pstart = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
+        s = tl.load(scale_ptr + g)
+    else:
+        g = tl.load(gid_ptr + p, mask=pmask, other=0)
+        first = pmask & (g > 0)
+        start = tl.load(offs_ptr + g - 1, mask=first, other=0)
+        end = tl.load(offs_ptr + g, mask=pmask, other=0)
+        pstart = tl.load(poffs_ptr + g - 1, mask=first, other=0)
+        s = tl.load(scale_ptr + g, mask=pmask, other=1.0)[:, None]
+    src = start + (p - pstart)
+    ok = pmask & (src < end)
+    m2 = ok[:, None] & cmask[None, :]
+    r64 = src.to(tl.int64)[:, None]
+    if SOURCE == 0:
+        v = tl.load(x_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
+        a = tl.abs(v)
+    else:
+        gate = tl.load(h_ptr + r64 * 2 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + r64 * 2 * W + W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        pr = 1.0
+        if HAS_P:
+            pr = tl.load(p_ptr + src, mask=ok, other=0.0).to(tl.float32)[:, None]
+        if SOURCE == 1:  # rounded to the activation's dtype, as the SwiGLU kernel stores it
+            v = swiglu_math(gate, up, pr, HAS_P).to(h_ptr.dtype.element_ty).to(tl.float32)
+            _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
+            a = tl.abs(v)
+        else:
+            gr = tl.load(g_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            d_gate, d_up, terms = swiglu_grad_math(gr, gate, up, pr, HAS_P)
+            dg = d_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
+            du = d_up.to(h_ptr.dtype.element_ty).to(tl.float32)
+            _store_both(dg, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, 2 * W, QT_STRIDE, FMAX)
+            _store_both(du, s, q_ptr + W, qt_ptr + W.to(tl.int64) * QT_STRIDE, r64, ok, p, pmask, cols, cmask, 2 * W,
+                        QT_STRIDE, FMAX)
+            if HAS_P:
+                tl.store(gp_ptr + src.to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
+                         tl.sum(tl.where(m2, terms, 0.0), 1), mask=ok)
+            a = _max_nan(tl.abs(dg), tl.abs(du))
+    if BLOCK_EXPERT:
+        tl.atomic_max(amax_ptr + g, _amax_bits(tl.reduce(tl.reduce(a, 1, _max_nan), 0, _max_nan)), sem="relaxed")
+    else:
+        tl.atomic_max(amax_ptr + g, _amax_bits(tl.reduce(a, 1, _max_nan)), mask=ok, sem="relaxed")
+
+
+@functools.lru_cache(maxsize=64)
+def config(W: int, source: int) -> tuple:
+    """(BLOCK_P, BLOCK_X, warps): 128 positions (the wgrad's token blocks, one expert each) by 64 columns."""
+    return 128, 64 if source else 64, 4
+
+
+def _launch(source: int, x, h, g, p, scale_L, offs_L, poffs_L, gid_P, P: int, W: int, q_cols: int, fmt: str,
+            out: Optional[torch.Tensor], align: int, cfg) -> tuple:
+    dtype, fmax = FORMATS[fmt]
+    src = x if x is not None else h
+    M, dev, L = src.shape[0], src.device, offs_L.numel()
+    q = torch.empty(M, q_cols, device=dev, dtype=dtype)
+    if out is not None and (out.shape != (q_cols, P) or out.dtype != dtype or (P and out.stride(1) != 1)):
+        raise ValueError(f"FP8 both layouts: out {tuple(out.shape)} {out.dtype} with strides {out.stride()}: want "
+                         f"({q_cols}, {P}) {dtype} with unit column stride")
+    qt = torch.empty(q_cols, P, device=dev, dtype=dtype) if out is None else out
+    amax_bits = torch.zeros(L, device=dev, dtype=torch.int32)
+    BLOCK_P, BLOCK_X, warps = cfg or config(W, source)
+    nxb = triton.cdiv(W, BLOCK_X)
+    gp = torch.zeros(M, nxb, device=dev, dtype=torch.float32) if source == 2 and p is not None else None
+    if P and W and L:
+        launch(_both_kernel, (triton.cdiv(P, BLOCK_P), nxb), src, src if h is None else h, src if g is None else g,
+               src if p is None else p, amax_bits if gp is None else gp, scale_L.float().contiguous(),
+               offs_L.to(torch.int32).contiguous(), poffs_L.to(torch.int32).contiguous(),
+               gid_P.to(torch.int32).contiguous(), q, qt, amax_bits, P, W, qt.stride(0), FMAX=fmax, SOURCE=source,
+               HAS_P=p is not None, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, BLOCK_EXPERT=align % BLOCK_P == 0,
+               num_warps=warps, enable_fp_fusion=True)  # triton_swiglu's contraction; the quantization has no add
+    return q, qt, amax_bits.view(torch.float32), gp
+
+
+def quant_both(x_MX: torch.Tensor, scale_L: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
+               gid_P: torch.Tensor, P: int, fmt: str = "e4m3", out: Optional[torch.Tensor] = None, align: int = 1,
+               cfg: Optional[tuple] = None) -> tuple:
+    """``(q_MX, qT_XP, amax_L)``: x's rows quantized by their expert's scale (``scale_L``), row-major and in the wgrad's
+    padded transposed layout (``poffs_L``/``gid_P``/``P``: ``fp8_rows_layout``'s; into ``out``, an (X, P) view, where
+    given; ``align``: its alignment), and each expert's amax of |x| over its rows (fp32; 0 for an empty expert)."""
+    x_MX = x_MX.contiguous()
+    X = x_MX.shape[1]
+    q, qt, amax, _ = _launch(0, x_MX, None, None, None, scale_L, offs_L, poffs_L, gid_P, P, X, X, fmt, out, align,
+                             cfg)
+    return q, qt, amax
+
+
+def swiglu_both(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], scale_L: torch.Tensor, offs_L: torch.Tensor,
+                poffs_L: torch.Tensor, gid_P: torch.Tensor, P: int, fmt: str = "e4m3",
+                out: Optional[torch.Tensor] = None, align: int = 1, cfg: Optional[tuple] = None) -> tuple:
+    """``quant_both(swiglu(h, p))`` without writing the SwiGLU: ``(q_MF, qT_FP, amax_L)``."""
+    h_M2F = h_M2F.contiguous()
+    F = h_M2F.shape[1] // 2
+    p_M = p_M.reshape(-1).contiguous() if p_M is not None else None
+    q, qt, amax, _ = _launch(1, None, h_M2F, None, p_M, scale_L, offs_L, poffs_L, gid_P, P, F, F, fmt, out, align,
+                             cfg)
+    return q, qt, amax
+
+
+def swiglu_backward_both(g_MF: torch.Tensor, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor],
+                         scale_L: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor, gid_P: torch.Tensor,
+                         P: int, fmt: str = "e4m3", out: Optional[torch.Tensor] = None, align: int = 1,
+                         cfg: Optional[tuple] = None) -> tuple:
+    """``quant_both`` of SwiGLU's input gradient (``g`` the output's gradient) without writing it: ``(q_M2F, qT_2FP,
+    amax_L, gp_M)``, ``gp`` the row weights' gradient (None without ``p``; rows past the last expert's undefined)."""
+    h_M2F, g_MF = h_M2F.contiguous(), g_MF.contiguous()
+    F = h_M2F.shape[1] // 2
+    p_M = p_M.reshape(-1).contiguous() if p_M is not None else None
+    q, qt, amax, gp = _launch(2, None, h_M2F, g_MF, p_M, scale_L, offs_L, poffs_L, gid_P, P, F, 2 * F, fmt, out,
+                              align, cfg)
+    return q, qt, amax, gp.sum(1) if gp is not None else None
