@@ -334,13 +334,15 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
         layer.experts.fc1._mm = lambda x, w, offs, s=spec1: fp8_grouped_mm(x, w, offs, s)
         layer.experts.fc2._mm = lambda x, w, offs, s=spec2: fp8_grouped_mm(x, w, offs, s)
         layer.dispatcher.cfg = dataclasses.replace(cfg, expert_rows_align=spec1.rows_align)
-        fused_act = fp8_swiglu_mod.attach(layer.experts, spec1, spec2, device) is not None  # FP8Training's default
-        if fused_act and fp8_swiglu_mod.PERMUTE:  # as FP8Training: the permutes quantize x and dy for the GEMMs
+        hand = fp8_swiglu_mod.attach(layer.experts, spec1, spec2, device)  # FP8Training's default
+        fused_act, per_expert = hand is not None, hand is not None and hand.both is not None
+        if fused_act and fp8_swiglu_mod.PERMUTE and not per_expert:  # as FP8Training: the permutes quantize x, dy
             layer.dispatcher.fp8_rows = spec1.handoff[0]
         t = time_fn(layer_step, device, args.iters, args.warmup, layer_tensors, args.timer)
         t.update(peak_memory(layer_step, device, layer_tensors))
         t["tflops"] = tflops(flops, t["median_ms"])
         t["swiglu_fused_with_quantization"] = fused_act
+        t["swiglu_per_expert_both_layouts"] = per_expert  # fp8_grouped_both's: a and dh never written
         t["permutes_quantize"] = layer.dispatcher.fp8_rows is not None
         fp8_layers[precision] = t
         fp8_swiglu_mod.detach(layer.experts, spec1, spec2)
@@ -404,7 +406,8 @@ def bench_shape(name: str, shape: dict, args, device, dtype, param_mode: str) ->
                 "median_ms"] / t["median_ms"])
             # and the FP8 side's SwiGLU fused with its quantization
             if fp8_layers[precision]["swiglu_fused_with_quantization"]:
-                hand = fp8_swiglu_mod.Handoff()
+                hand = fp8_swiglu_mod.Handoff(both=(spec1, spec2, w2) if fp8_layers[precision][
+                    "swiglu_per_expert_both_layouts"] else None)
                 spec1.handoff, spec2.handoff = (hand, "fc1"), (hand, "fc2")
                 t = time_fn(fp8_step, device, args.iters, args.warmup, bare_tensors, args.timer)
                 t["tflops"] = tflops(flops, t["median_ms"])

@@ -66,3 +66,90 @@ def test_swiglu_both_gives_the_swiglu_kernels_bits(counts, tail, align, weighted
     if weighted:
         end = int(offs[-1])
         torch.testing.assert_close(gp[:end], rgp[:end], rtol=1e-5, atol=1e-6)
+
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                            reason="the FP8 grouped kernels need SM 9.0")
+
+
+def _block_runs(recipe: str, on: bool, monkeypatch, calls: list):
+    """Three forward + backward passes of one FP8 grouped GEMM (inputs scaled differently each time, so delayed
+    scaling's history matters), with the both-layouts path on or off: [(y, dx, dw)]."""
+    from lightning_moe.modules import fp8_grouped_both as both
+    from lightning_moe.modules import triton_fp8_both as tb
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    monkeypatch.setattr(both, "ENABLED", on)
+    real = tb.quant_both
+    monkeypatch.setattr(tb, "quant_both", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator("cuda").manual_seed(0)
+    L, K, N = 4, 512, 768
+    offs = torch.tensor([300, 0, 1024, 77], device="cuda").cumsum(0).to(torch.int32)
+    M = int(offs[-1]) + 5
+    x = (torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-1, 1, K, device="cuda")).bfloat16()
+    w = (torch.randn(L, K, N, device="cuda", generator=g) * 0.05).bfloat16()
+    dy = (torch.randn(M, N, device="cuda", generator=g) * 1e-3).bfloat16()
+    spec = FP8Spec(recipe, fp8_format="e4m3", fast_accum="all", history=2)
+    spec.step = 0  # weights cached, as under FP8Training
+    out = []
+    for i in range(3):
+        xx, ww = (x * (1 + i)).requires_grad_(), w.clone().requires_grad_()
+        y = fp8_grouped_mm(xx, ww, offs, spec)
+        y.backward(dy * (3 - i))
+        out.append((y, xx.grad, ww.grad))
+    return out, int(offs[-1])
+
+
+@hopper
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_both_layouts_path_gives_the_separate_passes_bits(recipe, monkeypatch):
+    """The GEMMs' operands from one pass (``fp8_grouped_both``) against the separate passes: y and dx bit for bit
+    (the same FP8 operands, scales and GEMM kernels, delayed histories included), dw within the two wgrad kernels'
+    accumulation difference (Triton's against CUTLASS's)."""
+    calls_on, calls_off = [], []
+    on, end = _block_runs(recipe, True, monkeypatch, calls_on)
+    off, _ = _block_runs(recipe, False, monkeypatch, calls_off)
+    assert len(calls_on) == 6 and not calls_off  # x and dy in each of the three passes
+    for (y1, dx1, dw1), (y0, dx0, dw0) in zip(on, off):
+        assert torch.equal(y1[:end], y0[:end]) and torch.equal(dx1[:end], dx0[:end])
+        rel = ((dw1.float() - dw0.float()).norm() / dw0.float().norm()).item()
+        assert rel < 2e-3, rel
+    assert not torch.equal(on[0][0], on[2][0])  # the passes differ
+
+
+@hopper
+@pytest.mark.parametrize("recompute", [None, "moe_act", "moe"])
+def test_delayed_training_with_the_fused_swiglu_matches_the_separate_passes(recompute, monkeypatch):
+    """FP8Training('delayed', fp8_format='e4m3'): the per-expert GEMMs with the SwiGLU writing a's and dh's copies
+    (never a and dh themselves) train as the separate passes do (the same FP8 operands; the wgrad on another kernel),
+    under recomputation too; the fused kernels run from the second step (the histories' first use takes the amax
+    pass)."""
+    import copy
+    from types import SimpleNamespace
+
+    from lightning_moe import FP8Training
+    from lightning_moe.callbacks.recompute import Recompute
+    from lightning_moe.modules import fp8_grouped_both as both
+    from lightning_moe.modules import fp8_swiglu
+    from lightning_moe.modules import triton_fp8_both as tb
+    from tests.test_gpu_fp8 import _model, _train_step
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 512, (4, 257), device="cuda")
+    base, losses, fused = None, {}, []
+    real = tb.swiglu_backward_both
+    monkeypatch.setattr(tb, "swiglu_backward_both", lambda *a, **k: fused.append(1) or real(*a, **k))
+    for on in (True, False):
+        monkeypatch.setattr(both, "ENABLED", on)
+        monkeypatch.setattr(fp8_swiglu, "ENABLED", on)
+        torch.manual_seed(1)
+        lm = _model(FP8Training("delayed", fp8_format="e4m3"))
+        if base is None:
+            base = copy.deepcopy(lm.model.state_dict())
+        lm.model.load_state_dict(base)
+        if recompute:
+            Recompute([recompute]).on_fit_start(SimpleNamespace(strategy=SimpleNamespace()), lm)
+        opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
+        losses[on] = [_train_step(lm.model, opt, tokens).item() for _ in range(4)]
+    assert fused, "the fused SwiGLU backward never ran"
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=0)
+    assert losses[True][-1] < losses[True][0]

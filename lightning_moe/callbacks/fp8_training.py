@@ -277,7 +277,8 @@ class FP8Training(L.Callback):
                 # the layer's permutes quantize x and dy for the same GEMMs where their rows feed the experts as they
                 # are (the dispatcher decides at each call: one rank, no masked tail, no FP8 dispatch rounding)
                 layer = pl_module.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else None
-                if fp8_swiglu.PERMUTE and isinstance(layer, MoELayer) and layer.experts is experts:
+                if fp8_swiglu.PERMUTE and hand.both is None and isinstance(layer, MoELayer) and \
+                        layer.experts is experts:
                     layer.dispatcher.fp8_rows = hand
                     self._permuting.append(layer.dispatcher)
         return len(self._fused)

@@ -64,6 +64,13 @@ def _quantize(tb, spec: FP8Spec, name: str, x_MX: torch.Tensor, offs, layout: tu
     return q, qT, scale_L.reciprocal()
 
 
+def _handoff(spec: FP8Spec) -> tuple:
+    """``spec.handoff`` where it is the per-expert one (``fp8_swiglu.Handoff.both``); else (None, None)."""
+    if spec.handoff is None or spec.handoff[0].both is None:
+        return None, None
+    return spec.handoff
+
+
 def _weights(w_LKN: torch.Tensor, spec: FP8Spec, col: bool, row: bool) -> tuple:
     """``(forward copy (L, N, K), dgrad copy (L, K, N), dequantization scales (L,))``, one scale per expert."""
     fmt = spec.formats()[0]
@@ -83,7 +90,11 @@ def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, sp
     align = load("triton_fp8_wgrad", x_MK).T
     gid_M, poffs_L, P, gid_P = fp8_rows_layout(offs, M, align)
     layout = (poffs_L, P, gid_P, align)
-    xq, xT, x_inv = _quantize(tb, spec, "x", x_MK.contiguous(), offs, layout, row)
+    hand, side = _handoff(spec)
+    if side == "fc1":  # for the fused SwiGLU, whose dh handoff left from before is stale
+        hand.rows, hand.backward = (M, offs, gid_M, layout), None
+    pre = hand.take("forward", x_MK) if side == "fc2" else None  # a, quantized by the fused SwiGLU
+    xq, xT, x_inv = pre if pre is not None else _quantize(tb, spec, "x", x_MK.contiguous(), offs, layout, row)
     # both copies made once, the dgrad's kept for backward even uncached (a delayed history pushes once)
     wq_LNK, wt_LKN, w_inv = spec.cached_weight("w_both_per_expert", w_LKN, lambda: _weights(w_LKN, spec, col, row))
     y = gk._rows_gemm(xq, wq_LNK.transpose(1, 2), x_inv[gid_M], w_inv.unsqueeze(1).expand(L, N), offs,
@@ -101,7 +112,10 @@ def backward(ctx, dy_MN: torch.Tensor) -> tuple:
     spec, tb = ctx.spec, ctx.both
     L, K, N = w_LKN.shape
     col = spec.split == "out"
-    dyq, dyT, dy_inv = _quantize(tb, spec, "dy", dy_MN.contiguous(), offs, ctx.layout, col)
+    hand, side = _handoff(spec)
+    pre = hand.take("backward", dy_MN) if side == "fc1" else None  # dh, quantized by the fused SwiGLU
+    dyq, dyT, dy_inv = pre if pre is not None else _quantize(tb, spec, "dy", dy_MN.contiguous(), offs, ctx.layout,
+                                                             col)
     wt_LKN, w_inv = ctx.w_t
     ctx.w_t = None
     dx = gk._rows_gemm(dyq, wt_LKN.transpose(1, 2), dy_inv[gid_M], w_inv.unsqueeze(1).expand(L, K), offs,

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from lightning_moe.modules import kernels
+from lightning_moe.modules.fp8 import scale_of
 
 ENABLED = os.environ.get("LMOE_FP8_FUSED_SWIGLU", "1") != "0"  # 0: the unfused passes, for comparisons
 PERMUTE = os.environ.get("LMOE_FP8_FUSED_PERMUTE", "1") != "0"  # 0: the permutes do not quantize, for comparisons
@@ -46,22 +47,32 @@ class Handoff:
     state: one per experts module, referenced by its activation, as ``(handoff, "fc1" | "fc2")`` by its GEMMs'
     ``FP8Spec.handoff``, and as ``fp8_rows`` by the layer's dispatcher."""
 
-    def __init__(self):
+    def __init__(self, both: Optional[tuple] = None):
         self.input: Optional[tuple] = None  # (x, its key, (q, dequantization scales, None)): the dispatch's
         self.grad_out: Optional[tuple] = None  # (dy, its key, ...): the combine's backward
-        self.rows: Optional[tuple] = None  # (M, offs_L int32, gid_M int32) of fc1's last forward
+        self.rows: Optional[tuple] = None  # (M, offs_L int32, gid_M int32[, layout]) of fc1's last forward
         self.forward: Optional[tuple] = None  # (a, its key, (q, dequantization scales, column amaxes))
         self.backward: Optional[tuple] = None  # (dh, its key, ...)
+        # (spec_fc1, spec_fc2, w2) where the GEMMs quantize per expert into both layouts (``fp8_grouped_both``, the
+        # delayed recipe): a and dh are then handed over as (q, qT, dequantization scales) and never written
+        self.both = both
 
-    def put(self, which: str, t: torch.Tensor, quantized: tuple) -> None:
+    def put(self, which: str, t: torch.Tensor, quantized: tuple, unwritten: bool = False) -> None:
         # t itself is held too: while the handoff lives, no other tensor can take its memory and match its key
-        setattr(self, which, (t, tensor_key(t), quantized))
+        setattr(self, which, (t, tensor_key(t), quantized, unwritten))
 
     def take(self, which: str, t: torch.Tensor) -> Optional[tuple]:
-        """The quantization made with ``t``, if ``t`` is what it was made for; dropped either way."""
+        """The quantization made with ``t``, if ``t`` is what it was made for; dropped either way. A tensor handed
+        over ``unwritten`` (only its quantization holds its values) that reaches another tensor's GEMM is an error,
+        not a silent read of memory never written."""
         held = getattr(self, which)
         setattr(self, which, None)
-        return held[2] if held is not None and held[1] == tensor_key(t) else None
+        if held is not None and held[1] == tensor_key(t):
+            return held[2]
+        if held is not None and held[3]:
+            raise RuntimeError(f"fp8_swiglu: the fused SwiGLU's {which} output was never written (its FP8 copies "
+                               "stand for it) and a GEMM got another tensor; set LMOE_FP8_FUSED_SWIGLU=0")
+        return None
 
     def take_rows(self, M: int) -> Optional[tuple]:
         rows, self.rows = self.rows, None
@@ -96,6 +107,62 @@ class _FP8SwiGLU(torch.autograd.Function):
         return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None
 
 
+class _FP8SwiGLUBoth(torch.autograd.Function):
+    """``_FP8SwiGLU`` for the per-expert GEMMs (``fp8_grouped_both``): a and dh quantized in both layouts with the
+    delayed scales of fc2's input and fc1's output gradient (their histories' amaxes recorded in the same pass), and
+    never written: the returned a and dh are placeholders that only the GEMMs' handoffs stand for. Keeps h, p."""
+
+    @staticmethod
+    def forward(ctx, h_M2F, p_M, offs_L, layout: tuple, hand: Handoff, fmt: str):
+        from lightning_moe.modules import triton_fp8_both as tb
+        from lightning_moe.modules.fp8_grouped import history, reduce_groups
+        spec2 = hand.both[1]
+        scale_L = scale_of(history(spec2, "x").used(), fmt)
+        poffs_L, P, gid_P, align = layout
+        q, qT, amax_L = tb.swiglu_both(h_M2F, p_M, scale_L, offs_L, poffs_L, gid_P, P, fmt, align=align)
+        history(spec2, "x").push(reduce_groups(amax_L, spec2, spec2.split == "in", tokens=True))
+        a_MF = h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
+        hand.put("forward", a_MF, (q, qT, scale_L.reciprocal()), unwritten=True)
+        ctx.save_for_backward(h_M2F, p_M, offs_L)
+        ctx.layout, ctx.hand, ctx.fmt = layout, hand, fmt
+        return a_MF
+
+    @staticmethod
+    def backward(ctx, g_MF):
+        from lightning_moe.modules import triton_fp8_both as tb
+        from lightning_moe.modules import triton_swiglu
+        from lightning_moe.modules.fp8_grouped import history, reduce_groups
+        h_M2F, p_M, offs_L = ctx.saved_tensors
+        hand = ctx.hand
+        hand.forward = hand.grad_out = None
+        spec1 = hand.both[0]
+        used = history(spec1, "dy").used()
+        if not ctx.needs_input_grad[0] or used is None:  # no dh wanted; or its history's first use: fc1 takes dh
+            dh, gp = triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)
+            return (dh if ctx.needs_input_grad[0] else None), gp, None, None, None, None
+        scale_L = scale_of(used, ctx.fmt)
+        poffs_L, P, gid_P, align = ctx.layout
+        q, qT, amax_L, gp = tb.swiglu_backward_both(g_MF, h_M2F, p_M, scale_L, offs_L, poffs_L, gid_P, P, ctx.fmt,
+                                                    align=align)
+        history(spec1, "dy").push(reduce_groups(amax_L, spec1, spec1.split == "out", tokens=True))
+        dh = torch.empty_like(h_M2F)
+        hand.put("backward", dh, (q, qT, scale_L.reciprocal()), unwritten=True)
+        return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None
+
+
+def _fp8_swiglu_both(h_M2F, p_M, hand: Handoff, fused: bool, rows: tuple, fmt: str) -> torch.Tensor:
+    """``fp8_swiglu`` for the per-expert GEMMs, where fc2 will take a's copies (it makes a wgrad) and its input's
+    history has a scale; else plain (fc2 then quantizes a itself)."""
+    from lightning_moe.modules.experts import swiglu
+    from lightning_moe.modules.fp8_grouped import history
+    _, spec2, w2 = hand.both
+    if (not torch.is_grad_enabled() or not w2.requires_grad or history(spec2, "x").used() is None
+            or not (h_M2F.requires_grad or (p_M is not None and p_M.requires_grad))):
+        return swiglu(h_M2F, p_M, fused)
+    offs_L, _, layout = rows
+    return _FP8SwiGLUBoth.apply(h_M2F, p_M, offs_L, layout, hand, fmt)
+
+
 def fp8_swiglu(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], hand: Handoff, fused: bool = True,
                fmt: str = "e4m3") -> torch.Tensor:
     """``experts.swiglu(h, p, fused)``, fused with the quantization for the FP8 GEMMs around it where it can be: the
@@ -106,7 +173,9 @@ def fp8_swiglu(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], hand: Handoff, 
     rows = hand.take_rows(h_M2F.shape[0]) if h_M2F.ndim == 2 else None
     tsw = kernels.load("triton_fp8_swiglu", h_M2F, fused) if rows is not None else None
     rebuild = not torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-    if tsw is None or rebuild or not tsw.fuses(h_M2F.shape[1] // 2):
+    if hand.both is not None and rows is not None and len(rows) == 3 and not rebuild:
+        return _fp8_swiglu_both(h_M2F, p_M, hand, fused, rows, fmt)
+    if tsw is None or rebuild or not tsw.fuses(h_M2F.shape[1] // 2) or len(rows) != 2:
         return swiglu(h_M2F, p_M, fused)
     offs_L, gid_M = rows
     if not torch.is_grad_enabled() or not (h_M2F.requires_grad or (p_M is not None and p_M.requires_grad)):
@@ -121,6 +190,7 @@ def attach(experts, spec_fc1, spec_fc2, device: torch.device) -> Optional[Handof
     on the Triton kernels with nothing reduced over ranks (the rowwise recipe in E4M3, no ETP, on the kernel) and
     its FFN width fuses: swaps ``experts.act._act`` and sets both specs' ``handoff``. Returns the handoff, or None
     (nothing changed). ``detach`` undoes it."""
+    from lightning_moe.modules import fp8_grouped_both as both
     from lightning_moe.modules import fp8_grouped_kernels as gk
     from lightning_moe.modules.experts import SwiGLUActivation
     if not ENABLED or device.type != "cuda" or not isinstance(getattr(experts, "act", None), SwiGLUActivation):
@@ -130,6 +200,12 @@ def attach(experts, spec_fc1, spec_fc2, device: torch.device) -> Optional[Handof
                 not gk.eligible(spec.recipe, w.shape[1], w.shape[2], device):
             return None
     probe = torch.empty(0, device=device)
+    if spec_fc1.recipe == "delayed" and both.kernels(spec_fc1, probe) is not None \
+            and both.kernels(spec_fc2, probe) is not None:  # one scale per expert, known before a and dh are made
+        hand = Handoff(both=(spec_fc1, spec_fc2, experts.w2))
+        spec_fc1.handoff, spec_fc2.handoff = (hand, "fc1"), (hand, "fc2")
+        experts.act._act = partial(fp8_swiglu, hand=hand, fused=experts.act.fused)
+        return hand
     tsw = kernels.load("triton_fp8_swiglu", probe, experts.act.fused)
     if tsw is None or gk._quant_kernels(spec_fc1, probe) is None or not tsw.fuses(experts.w2.shape[1]):
         return None
