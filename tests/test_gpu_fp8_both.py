@@ -28,7 +28,8 @@ def _check(x_MX, q, qt, amax, scale_L, offs, poffs, gid_M):
     for e, (s0, s1, p0) in enumerate(zip(starts, offs.tolist(), pstarts)):
         want[:, p0:p0 + s1 - s0] = ref[s0:s1].view(torch.uint8).t()
         assert float(amax[e]) == (float(x_MX[s0:s1].float().abs().max()) if s1 > s0 else 0.0), e
-    assert torch.equal(qt.view(torch.uint8), want)
+    end_p = int(poffs[-1])  # past it: never written, never read
+    assert torch.equal(qt[:, :end_p].view(torch.uint8), want[:, :end_p])
 
 
 CASES = [([300, 0, 1024, 77], 5, 128), ([1024] * 6, 0, 128), ([40, 0, 300, 17], 3, 16)]

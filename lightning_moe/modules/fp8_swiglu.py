@@ -115,12 +115,13 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_M2F, p_M, offs_L, layout: tuple, hand: Handoff, fmt: str):
         from lightning_moe.modules import triton_fp8_both as tb
-        from lightning_moe.modules.fp8_grouped import history, reduce_groups
+        from lightning_moe.modules import triton_swiglu
         spec2 = hand.both[1]
-        scale_L = scale_of(history(spec2, "x").used(), fmt)
+        scale_L, push = _first_use(spec2, "x", spec2.split == "in", offs_L, fmt,
+                                   lambda: triton_swiglu.forward(h_M2F, p_M))
         poffs_L, P, gid_P, align = layout
         q, qT, amax_L = tb.swiglu_both(h_M2F, p_M, scale_L, offs_L, poffs_L, gid_P, P, fmt, align=align)
-        history(spec2, "x").push(reduce_groups(amax_L, spec2, spec2.split == "in", tokens=True))
+        push(amax_L)
         a_MF = h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
         hand.put("forward", a_MF, (q, qT, scale_L.reciprocal()), unwritten=True)
         ctx.save_for_backward(h_M2F, p_M, offs_L)
@@ -131,32 +132,43 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
     def backward(ctx, g_MF):
         from lightning_moe.modules import triton_fp8_both as tb
         from lightning_moe.modules import triton_swiglu
-        from lightning_moe.modules.fp8_grouped import history, reduce_groups
         h_M2F, p_M, offs_L = ctx.saved_tensors
         hand = ctx.hand
         hand.forward = hand.grad_out = None
+        if not ctx.needs_input_grad[0]:  # no dh wanted (fc1 runs no backward to take it): the row weights' only
+            return None, triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[1], None, None, None, None
         spec1 = hand.both[0]
-        used = history(spec1, "dy").used()
-        if not ctx.needs_input_grad[0] or used is None:  # no dh wanted; or its history's first use: fc1 takes dh
-            dh, gp = triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)
-            return (dh if ctx.needs_input_grad[0] else None), gp, None, None, None, None
-        scale_L = scale_of(used, ctx.fmt)
+        scale_L, push = _first_use(spec1, "dy", spec1.split == "out", offs_L, ctx.fmt,
+                                   lambda: triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[0])
         poffs_L, P, gid_P, align = ctx.layout
         q, qT, amax_L, gp = tb.swiglu_backward_both(g_MF, h_M2F, p_M, scale_L, offs_L, poffs_L, gid_P, P, ctx.fmt,
                                                     align=align)
-        history(spec1, "dy").push(reduce_groups(amax_L, spec1, spec1.split == "out", tokens=True))
+        push(amax_L)
         dh = torch.empty_like(h_M2F)
         hand.put("backward", dh, (q, qT, scale_L.reciprocal()), unwritten=True)
         return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None
 
 
+def _first_use(spec, name: str, split: bool, offs_L, fmt: str, make) -> tuple:
+    """``(scale_L, push)`` for operand ``name`` of delayed scaling: its history's scale, and ``push`` to record the
+    fused pass's amax; on the history's first use, the amax of ``make()`` (the operand itself, made for it), and
+    nothing to push. The same kernels run either way: a recomputed forward saves what the first one saved."""
+    from lightning_moe.modules.fp8 import abs_amax
+    from lightning_moe.modules.fp8_grouped import _reduced, _segment_amax, history, reduce_groups
+    used = history(spec, name).used()
+    if used is not None:
+        return scale_of(used, fmt), lambda amax_L: history(spec, name).push(
+            reduce_groups(amax_L, spec, split, tokens=True))
+    amax_L = _segment_amax(abs_amax(make().detach(), 1).squeeze(1), offs_L)
+    return scale_of(_reduced(amax_L, spec, name, split, tokens=True), fmt), lambda amax_L: None
+
+
 def _fp8_swiglu_both(h_M2F, p_M, hand: Handoff, fused: bool, rows: tuple, fmt: str) -> torch.Tensor:
-    """``fp8_swiglu`` for the per-expert GEMMs, where fc2 will take a's copies (it makes a wgrad) and its input's
-    history has a scale; else plain (fc2 then quantizes a itself)."""
+    """``fp8_swiglu`` for the per-expert GEMMs, where fc2 will take a's copies (it makes a wgrad); else plain (fc2
+    then quantizes a itself)."""
     from lightning_moe.modules.experts import swiglu
-    from lightning_moe.modules.fp8_grouped import history
     _, spec2, w2 = hand.both
-    if (not torch.is_grad_enabled() or not w2.requires_grad or history(spec2, "x").used() is None
+    if (not torch.is_grad_enabled() or not w2.requires_grad
             or not (h_M2F.requires_grad or (p_M is not None and p_M.requires_grad))):
         return swiglu(h_M2F, p_M, fused)
     offs_L, _, layout = rows

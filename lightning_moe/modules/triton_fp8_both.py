@@ -11,9 +11,9 @@ amax history's), one read of the operand writes both copies and records its curr
 
 against the rowwise recipe's four passes per operand (its row amax, the column amax, then the transposed copy: 1.5x
 the bytes). qT is the wgrad's padded layout (``quant_t_padded``'s: expert e's rows at its aligned start, zeros in the
-padding); rows past the last expert's end are not written in q. Bits: ``fp8._saturate``'s (one fp32 multiply, torch's
-clamp, nearest-even cast), of the operand in its own dtype (SwiGLU's output and gradient rounded to it first, as the
-separate kernels store them).
+padding; columns past the last expert's padded end are not written); rows past the last expert's end are not
+written in q. Bits: ``fp8._saturate``'s (one fp32 multiply, torch's clamp, nearest-even cast), of the operand in its
+own dtype (SwiGLU's output and gradient rounded to it first, as the separate kernels store them).
 """
 
 from __future__ import annotations
@@ -49,14 +49,17 @@ def _amax_bits(a):
 
 @triton.jit
 def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, qt_ptr,
-                 amax_ptr, P, W, QT_STRIDE, FMAX: tl.constexpr, SOURCE: tl.constexpr, HAS_P: tl.constexpr,
+                 amax_ptr, P, W, L, QT_STRIDE, FMAX: tl.constexpr, SOURCE: tl.constexpr, HAS_P: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_EXPERT: tl.constexpr):
     """BLOCK_P padded positions x BLOCK_X columns of the W-wide source: x (SOURCE 0, q is (M, W)), SwiGLU of h
     (1: W = F, q is (M, F)) or its input gradient from g and h (2: W = F, q is (M, 2F): both halves from one read,
     the row weights' partial gradient per column block into ``gp``). Each position's expert, its source row, its
     expert's scale; ``BLOCK_EXPERT``: the padded ends are multiples of BLOCK_P, so the block is one expert's (its
     bounds and scale read once, one atomic for its amax)."""
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p0 = tl.program_id(0) * BLOCK_P
+    if p0 >= tl.load(poffs_ptr + L - 1):  # past the last expert's padded end: the GEMMs read nothing there
+        return
+    p = p0 + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     pmask, cmask = p < P, cols < W
     if BLOCK_EXPERT:
@@ -110,8 +113,10 @@ def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, scale_ptr, offs_ptr, poffs_
 
 @functools.lru_cache(maxsize=64)
 def config(W: int, source: int) -> tuple:
-    """(BLOCK_P, BLOCK_X, warps): 128 positions (the wgrad's token blocks, one expert each) by 64 columns."""
-    return 128, 64 if source else 64, 4
+    """(BLOCK_P, BLOCK_X, warps): 64 positions (half a token block of the wgrad: one expert's) by 128 columns, 64 for
+    SwiGLU's gradient (two halves stored). The fastest of nine on an H100 at the Qwen3 and Mixtral shapes
+    (docs/PERFORMANCE.md)."""
+    return (64, 64, 4) if source == 2 else (64, 128, 4)
 
 
 def _launch(source: int, x, h, g, p, scale_L, offs_L, poffs_L, gid_P, P: int, W: int, q_cols: int, fmt: str,
@@ -132,7 +137,7 @@ def _launch(source: int, x, h, g, p, scale_L, offs_L, poffs_L, gid_P, P: int, W:
         launch(_both_kernel, (triton.cdiv(P, BLOCK_P), nxb), src, src if h is None else h, src if g is None else g,
                src if p is None else p, amax_bits if gp is None else gp, scale_L.float().contiguous(),
                offs_L.to(torch.int32).contiguous(), poffs_L.to(torch.int32).contiguous(),
-               gid_P.to(torch.int32).contiguous(), q, qt, amax_bits, P, W, qt.stride(0), FMAX=fmax, SOURCE=source,
+               gid_P.to(torch.int32).contiguous(), q, qt, amax_bits, P, W, L, qt.stride(0), FMAX=fmax, SOURCE=source,
                HAS_P=p is not None, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, BLOCK_EXPERT=align % BLOCK_P == 0,
                num_warps=warps, enable_fp_fusion=True)  # triton_swiglu's contraction; the quantization has no add
     return q, qt, amax_bits.view(torch.float32), gp

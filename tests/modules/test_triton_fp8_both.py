@@ -52,7 +52,8 @@ def _check(x_MX, q, qt, amax, scale_L, offs, poffs, gid_M):
         want[:, p0:p0 + s1 - s0] = ref[s0:s1].view(torch.uint8).t()
         rows = x_MX[s0:s1].float().abs()
         assert float(amax[e]) == (float(rows.max()) if s1 > s0 else 0.0), e
-    assert torch.equal(qt.view(torch.uint8), want)
+    end_p = int(poffs[-1])  # past it: never written, never read
+    assert torch.equal(qt[:, :end_p].view(torch.uint8), want[:, :end_p])
 
 
 @inside
@@ -70,7 +71,8 @@ def test_quant_both_gives_the_formula_in_both_layouts(counts, tail, X, align, cf
     q, qt, amax = tb.quant_both(x, scale, offs, poffs, gid_P, P, align=align, cfg=cfg)
     _check(x, q, qt, amax, scale, offs, poffs, gid_M)
     ref_t = tq.quant_t_padded(x, scale.unsqueeze(1).expand(-1, X), offs, poffs, gid_P, P, align=align)
-    assert torch.equal(qt.view(torch.uint8), ref_t.view(torch.uint8))
+    end_p = int(poffs[-1])
+    assert torch.equal(qt[:, :end_p].view(torch.uint8), ref_t[:, :end_p].view(torch.uint8))
 
 
 @inside
