@@ -18,9 +18,14 @@ def _layout(counts, tail: int, align: int):
     return offs, M, gid_M, poffs, P, gid_P
 
 
-def _check(x_MX, q, qt, amax, scale_L, offs, poffs, gid_M):
-    from lightning_moe.modules.fp8 import _saturate
+def _check(x_MX, out: tuple, amax_HL, offs, poffs, gid_M):
+    from lightning_moe.modules.fp8 import _saturate, scale_of
+    q, qt, inv_M, inv_L, amax = out
+    scale_L = scale_of(amax_HL.amax(0), "e4m3")
     end = int(offs[-1])
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert torch.equal(inv_M[:end], scale_L.reciprocal()[gid_M[:end].long()])
+    assert torch.equal(inv_L, torch.where(counts > 0, scale_L.reciprocal(), 1.0))
     ref = _saturate(x_MX[:end], scale_L[gid_M[:end].long()].unsqueeze(1), 448.0, torch.float8_e4m3fn)
     assert torch.equal(q[:end].view(torch.uint8), ref.view(torch.uint8))
     want = torch.zeros(qt.shape, dtype=torch.uint8, device="cuda")
@@ -42,9 +47,8 @@ def test_quant_both_gives_the_formula(counts, tail, align, X):
     offs, M, gid_M, poffs, P, gid_P = _layout(counts, tail, align)
     x = (torch.randn(M, X, device="cuda") * torch.logspace(-3, 2, M, device="cuda").unsqueeze(1)).to(torch.bfloat16)
     x[int(offs[-1]):] = float("nan")
-    scale = torch.rand(len(counts), device="cuda") * 300 + 0.5
-    q, qt, amax = tb.quant_both(x, scale, offs, poffs, gid_P, P, align=align)
-    _check(x, q, qt, amax, scale, offs, poffs, gid_M)
+    hist = torch.rand(3, len(counts), device="cuda") * 300 + 0.5  # a delayed history: the scale from its max
+    _check(x, tb.quant_both(x, hist, offs, poffs, gid_P, P, align=align), hist, offs, poffs, gid_M)
 
 
 @pytest.mark.parametrize("counts,tail,align", CASES)
@@ -58,12 +62,12 @@ def test_swiglu_both_gives_the_swiglu_kernels_bits(counts, tail, align, weighted
     h = (torch.randn(M, 2 * F, device="cuda", generator=g) * 2).to(torch.bfloat16)
     dy = (torch.randn(M, F, device="cuda", generator=g) * 1e-2).to(torch.bfloat16)
     p = torch.rand(M, device="cuda", generator=g) if weighted else None
-    scale = torch.rand(len(counts), device="cuda", generator=g) * 300 + 0.5
-    q, qt, amax = tb.swiglu_both(h, p, scale, offs, poffs, gid_P, P, align=align)
-    _check(triton_swiglu.forward(h, p), q, qt, amax, scale, offs, poffs, gid_M)
-    q, qt, amax, gp = tb.swiglu_backward_both(dy, h, p, scale, offs, poffs, gid_P, P, align=align)
+    hist = torch.rand(2, len(counts), device="cuda", generator=g) * 300 + 0.5
+    _check(triton_swiglu.forward(h, p), tb.swiglu_both(h, p, hist, offs, poffs, gid_P, P, align=align), hist, offs,
+           poffs, gid_M)
+    *out, gp = tb.swiglu_backward_both(dy, h, p, hist, offs, poffs, gid_P, P, align=align)
     dh, rgp = triton_swiglu.backward(dy, h, p)
-    _check(dh, q, qt, amax, scale, offs, poffs, gid_M)
+    _check(dh, out, hist, offs, poffs, gid_M)
     if weighted:
         end = int(offs[-1])
         torch.testing.assert_close(gp[:end], rgp[:end], rtol=1e-5, atol=1e-6)

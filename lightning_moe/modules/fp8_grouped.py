@@ -60,11 +60,12 @@ def history(spec: FP8Spec, name: str) -> "_History":
 
 class _History:
     """Delayed scaling for per-expert amaxes: the max over the last ``length`` uses, elementwise; the current amax
-    enters after use (``update``, or ``used`` before the operand is read and ``push`` after: the kernels that
-    quantize with the history's scale record the amax in the same pass)."""
+    enters after use (``update``; or the kernels scale by the max of ``past`` and record the amax they find in the
+    same pass, ``push`` after). ``past`` is a ring of the last ``length`` amaxes (the first fills it), written in
+    place: one copy per use."""
 
     def __init__(self, length: int):
-        self.length, self.past = length, None
+        self.length, self.past, self.pushed = length, None, 0
 
     def update(self, current: torch.Tensor) -> torch.Tensor:
         if self.past is None:
@@ -78,7 +79,8 @@ class _History:
         return None if self.past is None else self.past.amax(0)
 
     def push(self, current: torch.Tensor) -> None:
-        self.past = torch.cat([current.unsqueeze(0), self.past[:-1]])
+        self.past[self.pushed % self.length].copy_(current)
+        self.pushed += 1
 
 
 def _segment_amax(a_MX: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:

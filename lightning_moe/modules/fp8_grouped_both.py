@@ -16,7 +16,6 @@ Shapes: M routed rows (sorted by expert), K input features, N output features, L
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -41,27 +40,27 @@ def kernels(spec: FP8Spec, t: torch.Tensor):
     return load("triton_fp8_both", t)
 
 
-def _scale(spec: FP8Spec, name: str, x_MX: torch.Tensor, offs: torch.Tensor, split: bool) -> tuple:
-    """``(scale_L, push)``: operand ``name``'s per-expert scale, and whether the pass's current amax must still enter
-    its history (delayed scaling after first use). Otherwise the current amax from a pass of its own, reduced over the
-    ranks as ``fp8_grouped.rows_amax`` does."""
-    fmt = spec.formats()[0]
-    if spec.recipe == "delayed":
-        used = history(spec, name).used()
-        if used is not None:
-            return scale_of(used, fmt), True
+def amaxes(spec: FP8Spec, name: str, x_MX: torch.Tensor, offs: torch.Tensor, split: bool) -> tuple:
+    """``(amax_HL, push)``: the amaxes operand ``name``'s per-expert scale is the max of (delayed scaling: its
+    history's ring), and whether the pass's current amax must still enter the history. Otherwise (tensorwise; a
+    history's first use) the current amax from a pass of its own, reduced over the ranks as ``fp8_grouped.rows_amax``
+    does, as (1, L)."""
+    if spec.recipe == "delayed" and history(spec, name).past is not None:
+        return history(spec, name).past, True
     amax_L = _segment_amax(abs_amax(x_MX.detach(), 1).squeeze(1), offs)
-    return scale_of(_reduced(amax_L, spec, name, split, tokens=True), fmt), False
+    return _reduced(amax_L, spec, name, split, tokens=True).reshape(1, -1), False
 
 
 def _quantize(tb, spec: FP8Spec, name: str, x_MX: torch.Tensor, offs, layout: tuple, split: bool) -> tuple:
-    """``(q_MX, qT_XP, dequantization scales (L,))`` of operand ``name`` in one pass (after its amax, where needed)."""
+    """``(q_MX, qT_XP, dequantization scales per row (M,) and per expert (L,))`` of operand ``name`` in one pass
+    (after its amax, where needed)."""
     poffs_L, P, gid_P, align = layout
-    scale_L, push = _scale(spec, name, x_MX, offs, split)
-    q, qT, amax_L = tb.quant_both(x_MX, scale_L, offs, poffs_L, gid_P, P, spec.formats()[0], align=align)
+    amax_HL, push = amaxes(spec, name, x_MX, offs, split)
+    q, qT, inv_M, inv_L, amax_L = tb.quant_both(x_MX, amax_HL, offs, poffs_L, gid_P, P, spec.formats()[0],
+                                                align=align)
     if push:
         history(spec, name).push(reduce_groups(amax_L, spec, split, tokens=True))
-    return q, qT, scale_L.reciprocal()
+    return q, qT, inv_M, inv_L
 
 
 def _handoff(spec: FP8Spec) -> tuple:
@@ -72,12 +71,16 @@ def _handoff(spec: FP8Spec) -> tuple:
 
 
 def _weights(w_LKN: torch.Tensor, spec: FP8Spec, col: bool, row: bool) -> tuple:
-    """``(forward copy (L, N, K), dgrad copy (L, K, N), dequantization scales (L,))``, one scale per expert."""
+    """``(forward copy (L, N, K), dgrad copy (L, K, N), the forward's and the dgrad's dequantization scales (L, N) and
+    (L, K))``, one scale per expert."""
+    from lightning_moe.modules.fp8_grouped_kernels import saturate_t
     fmt = spec.formats()[0]
     dtype, fmax = FORMATS[fmt]
-    from lightning_moe.modules.fp8_grouped_kernels import saturate_t
+    L, K, N = w_LKN.shape
     s_L11 = scale_of(weights_amax(w_LKN, "K", Tiling(None, None), spec, "w", col or row, row), fmt)
-    return saturate_t(w_LKN, s_L11, fmax, dtype), saturate(w_LKN, s_L11, fmax, dtype), s_L11.reshape(-1).reciprocal()
+    inv_L1 = s_L11.reshape(L, 1).reciprocal()
+    return (saturate_t(w_LKN, s_L11, fmax, dtype), saturate(w_LKN, s_L11, fmax, dtype),
+            inv_L1.expand(L, N).contiguous(), inv_L1.expand(L, K).contiguous())
 
 
 def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, spec: FP8Spec, sync
@@ -94,13 +97,14 @@ def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, sp
     if side == "fc1":  # for the fused SwiGLU, whose dh handoff left from before is stale
         hand.rows, hand.backward = (M, offs, gid_M, layout), None
     pre = hand.take("forward", x_MK) if side == "fc2" else None  # a, quantized by the fused SwiGLU
-    xq, xT, x_inv = pre if pre is not None else _quantize(tb, spec, "x", x_MK.contiguous(), offs, layout, row)
+    xq, xT, x_inv_M, x_inv_L = pre if pre is not None else _quantize(tb, spec, "x", x_MK.contiguous(), offs,
+                                                                      layout, row)
     # both copies made once, the dgrad's kept for backward even uncached (a delayed history pushes once)
-    wq_LNK, wt_LKN, w_inv = spec.cached_weight("w_both_per_expert", w_LKN, lambda: _weights(w_LKN, spec, col, row))
-    y = gk._rows_gemm(xq, wq_LNK.transpose(1, 2), x_inv[gid_M], w_inv.unsqueeze(1).expand(L, N), offs,
-                      spec.fast("fprop"))
-    ctx.save_for_backward(xT, x_inv, w_LKN, offs, gid_M)
-    ctx.layout, ctx.w_t, ctx.spec, ctx.dtype = layout, (wt_LKN, w_inv), spec, x_MK.dtype
+    wq_LNK, wt_LKN, w_inv_LN, w_inv_LK = spec.cached_weight("w_both_per_expert", w_LKN,
+                                                            lambda: _weights(w_LKN, spec, col, row))
+    y = gk._rows_gemm(xq, wq_LNK.transpose(1, 2), x_inv_M, w_inv_LN, offs, spec.fast("fprop"))
+    ctx.save_for_backward(xT, x_inv_L, w_LKN, offs)
+    ctx.layout, ctx.w_t, ctx.spec, ctx.dtype = layout, (wt_LKN, w_inv_LK), spec, x_MK.dtype
     ctx.sync, ctx.param = sync, w_LKN if sync is not None else None
     return y.to(x_MK.dtype)
 
@@ -108,28 +112,22 @@ def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, sp
 def backward(ctx, dy_MN: torch.Tensor) -> tuple:
     """``(dx, dw)``."""
     from lightning_moe.modules import fp8_grouped_kernels as gk
-    xT, x_inv, w_LKN, offs, gid_M = ctx.saved_tensors
+    xT, x_inv_L, w_LKN, offs = ctx.saved_tensors
     spec, tb = ctx.spec, ctx.both
     L, K, N = w_LKN.shape
     col = spec.split == "out"
     hand, side = _handoff(spec)
     pre = hand.take("backward", dy_MN) if side == "fc1" else None  # dh, quantized by the fused SwiGLU
-    dyq, dyT, dy_inv = pre if pre is not None else _quantize(tb, spec, "dy", dy_MN.contiguous(), offs, ctx.layout,
-                                                             col)
-    wt_LKN, w_inv = ctx.w_t
+    dyq, dyT, dy_inv_M, dy_inv_L = pre if pre is not None else _quantize(tb, spec, "dy", dy_MN.contiguous(), offs,
+                                                                         ctx.layout, col)
+    wt_LKN, w_inv_LK = ctx.w_t
     ctx.w_t = None
-    dx = gk._rows_gemm(dyq, wt_LKN.transpose(1, 2), dy_inv[gid_M], w_inv.unsqueeze(1).expand(L, K), offs,
-                       spec.fast("dgrad"))
+    dx = gk._rows_gemm(dyq, wt_LKN.transpose(1, 2), dy_inv_M, w_inv_LK, offs, spec.fast("dgrad"))
     if not ctx.needs_input_grad[1]:
         return dx.to(ctx.dtype), None
     wk = load("triton_fp8_wgrad", dy_MN)
     defer = ctx.sync is not None and spec.defer_wgrad
     poffs_L = ctx.layout[0]
-    dw = gk.triton_wgrad(ctx, wk, (xT, x_inv.unsqueeze(1).expand(L, K)), (dyT, dy_inv.unsqueeze(1).expand(L, N)),
+    dw = gk.triton_wgrad(ctx, wk, (xT, x_inv_L.unsqueeze(1).expand(L, K)), (dyT, dy_inv_L.unsqueeze(1).expand(L, N)),
                          poffs_L, w_LKN, defer)
     return dx.to(ctx.dtype), dw
-
-
-def scales_used(spec: FP8Spec, name: str) -> Optional[torch.Tensor]:
-    """The amax a delayed operand would be scaled by now (tests): its history's, or None before first use."""
-    return history(spec, name).used()

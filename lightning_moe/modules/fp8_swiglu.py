@@ -31,7 +31,6 @@ from typing import Optional
 import torch
 
 from lightning_moe.modules import kernels
-from lightning_moe.modules.fp8 import scale_of
 
 ENABLED = os.environ.get("LMOE_FP8_FUSED_SWIGLU", "1") != "0"  # 0: the unfused passes, for comparisons
 PERMUTE = os.environ.get("LMOE_FP8_FUSED_PERMUTE", "1") != "0"  # 0: the permutes do not quantize, for comparisons
@@ -117,13 +116,12 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
         from lightning_moe.modules import triton_fp8_both as tb
         from lightning_moe.modules import triton_swiglu
         spec2 = hand.both[1]
-        scale_L, push = _first_use(spec2, "x", spec2.split == "in", offs_L, fmt,
-                                   lambda: triton_swiglu.forward(h_M2F, p_M))
+        amax_HL, push = _amaxes(spec2, "x", spec2.split == "in", offs_L, lambda: triton_swiglu.forward(h_M2F, p_M))
         poffs_L, P, gid_P, align = layout
-        q, qT, amax_L = tb.swiglu_both(h_M2F, p_M, scale_L, offs_L, poffs_L, gid_P, P, fmt, align=align)
+        q, qT, inv_M, inv_L, amax_L = tb.swiglu_both(h_M2F, p_M, amax_HL, offs_L, poffs_L, gid_P, P, fmt, align=align)
         push(amax_L)
         a_MF = h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
-        hand.put("forward", a_MF, (q, qT, scale_L.reciprocal()), unwritten=True)
+        hand.put("forward", a_MF, (q, qT, inv_M, inv_L), unwritten=True)
         ctx.save_for_backward(h_M2F, p_M, offs_L)
         ctx.layout, ctx.hand, ctx.fmt = layout, hand, fmt
         return a_MF
@@ -138,29 +136,28 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:  # no dh wanted (fc1 runs no backward to take it): the row weights' only
             return None, triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[1], None, None, None, None
         spec1 = hand.both[0]
-        scale_L, push = _first_use(spec1, "dy", spec1.split == "out", offs_L, ctx.fmt,
-                                   lambda: triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[0])
+        amax_HL, push = _amaxes(spec1, "dy", spec1.split == "out", offs_L,
+                                lambda: triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[0])
         poffs_L, P, gid_P, align = ctx.layout
-        q, qT, amax_L, gp = tb.swiglu_backward_both(g_MF, h_M2F, p_M, scale_L, offs_L, poffs_L, gid_P, P, ctx.fmt,
-                                                    align=align)
+        q, qT, inv_M, inv_L, amax_L, gp = tb.swiglu_backward_both(g_MF, h_M2F, p_M, amax_HL, offs_L, poffs_L, gid_P,
+                                                                  P, ctx.fmt, align=align)
         push(amax_L)
         dh = torch.empty_like(h_M2F)
-        hand.put("backward", dh, (q, qT, scale_L.reciprocal()), unwritten=True)
+        hand.put("backward", dh, (q, qT, inv_M, inv_L), unwritten=True)
         return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None
 
 
-def _first_use(spec, name: str, split: bool, offs_L, fmt: str, make) -> tuple:
-    """``(scale_L, push)`` for operand ``name`` of delayed scaling: its history's scale, and ``push`` to record the
-    fused pass's amax; on the history's first use, the amax of ``make()`` (the operand itself, made for it), and
-    nothing to push. The same kernels run either way: a recomputed forward saves what the first one saved."""
-    from lightning_moe.modules.fp8 import abs_amax
-    from lightning_moe.modules.fp8_grouped import _reduced, _segment_amax, history, reduce_groups
-    used = history(spec, name).used()
-    if used is not None:
-        return scale_of(used, fmt), lambda amax_L: history(spec, name).push(
-            reduce_groups(amax_L, spec, split, tokens=True))
-    amax_L = _segment_amax(abs_amax(make().detach(), 1).squeeze(1), offs_L)
-    return scale_of(_reduced(amax_L, spec, name, split, tokens=True), fmt), lambda amax_L: None
+def _amaxes(spec, name: str, split: bool, offs_L, make) -> tuple:
+    """``fp8_grouped_both.amaxes`` for operand ``name``, made by the fused pass: ``(amax_HL, push)``, ``push`` taking
+    the pass's amax into the history (nothing to push on the history's first use, whose amax comes from ``make()``,
+    the operand itself). The same kernels run either way: a recomputed forward saves what the first one saved."""
+    from lightning_moe.modules.fp8_grouped import history, reduce_groups
+    from lightning_moe.modules.fp8_grouped_both import amaxes
+    pending = history(spec, name).past is not None
+    amax_HL, _ = amaxes(spec, name, make() if not pending else None, offs_L, split)
+    if not pending:
+        return amax_HL, lambda amax_L: None
+    return amax_HL, lambda amax_L: history(spec, name).push(reduce_groups(amax_L, spec, split, tokens=True))
 
 
 def _fp8_swiglu_both(h_M2F, p_M, hand: Handoff, fused: bool, rows: tuple, fmt: str) -> torch.Tensor:

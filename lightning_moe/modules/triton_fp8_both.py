@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from lightning_moe.modules.fp8 import FORMATS
-from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat
+from lightning_moe.modules.fp8 import _TINY
+from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat, _scale, _stored
 from lightning_moe.modules.triton_launch import launch
 from lightning_moe.modules.triton_swiglu import swiglu_grad_math, swiglu_math
 
@@ -48,14 +49,16 @@ def _amax_bits(a):
 
 
 @triton.jit
-def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, qt_ptr,
-                 amax_ptr, P, W, L, QT_STRIDE, FMAX: tl.constexpr, SOURCE: tl.constexpr, HAS_P: tl.constexpr,
-                 BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_EXPERT: tl.constexpr):
+def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, hist_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, qt_ptr,
+                 amax_ptr, inv_m_ptr, inv_l_ptr, P, W, L, H, QT_STRIDE, FMAX: tl.constexpr, TINY: tl.constexpr,
+                 SOURCE: tl.constexpr, HAS_P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr,
+                 BLOCK_EXPERT: tl.constexpr):
     """BLOCK_P padded positions x BLOCK_X columns of the W-wide source: x (SOURCE 0, q is (M, W)), SwiGLU of h
     (1: W = F, q is (M, F)) or its input gradient from g and h (2: W = F, q is (M, 2F): both halves from one read,
-    the row weights' partial gradient per column block into ``gp``). Each position's expert, its source row, its
-    expert's scale; ``BLOCK_EXPERT``: the padded ends are multiples of BLOCK_P, so the block is one expert's (its
-    bounds and scale read once, one atomic for its amax)."""
+    the row weights' partial gradient per column block into ``gp``). Each position's expert and source row; its
+    expert's scale from the max of the H amaxes ``hist`` (H, L) holds for it (``_scale``: ``scale_of``'s bits), its
+    dequantization scale written per row and per expert by the first column block. ``BLOCK_EXPERT``: the padded ends
+    are multiples of BLOCK_P, so the block is one expert's (its bounds read once, one atomic for its amax)."""
     p0 = tl.program_id(0) * BLOCK_P
     if p0 >= tl.load(poffs_ptr + L - 1):  # past the last expert's padded end: the GEMMs read nothing there
         return
@@ -63,20 +66,28 @@ def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, scale_ptr, offs_ptr, poffs_
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     pmask, cmask = p < P, cols < W
     if BLOCK_EXPERT:
-        g = tl.load(gid_ptr + tl.program_id(0) * BLOCK_P)
+        g = tl.load(gid_ptr + p0)
         start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
         end = tl.load(offs_ptr + g)
         pstart = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
-        s = tl.load(scale_ptr + g)
     else:
         g = tl.load(gid_ptr + p, mask=pmask, other=0)
         first = pmask & (g > 0)
         start = tl.load(offs_ptr + g - 1, mask=first, other=0)
         end = tl.load(offs_ptr + g, mask=pmask, other=0)
         pstart = tl.load(poffs_ptr + g - 1, mask=first, other=0)
-        s = tl.load(scale_ptr + g, mask=pmask, other=1.0)[:, None]
+    gv = g + tl.zeros((BLOCK_P,), tl.int32)  # each position's expert (one for all under BLOCK_EXPERT)
+    used = tl.zeros((BLOCK_P,), tl.float32)
+    for i in range(H):
+        used = _max_nan(used, tl.load(hist_ptr + i * L + gv, mask=pmask, other=0.0))
+    s_P = _scale(used, FMAX, TINY, BLOCK_P)
+    s = s_P[:, None]
     src = start + (p - pstart)
     ok = pmask & (src < end)
+    if tl.program_id(1) == 0:
+        inv = _stored(s_P, True, BLOCK_P)
+        tl.store(inv_m_ptr + src, inv, mask=ok)
+        tl.store(inv_l_ptr + gv, inv, mask=pmask & (p == pstart))
     m2 = ok[:, None] & cmask[None, :]
     r64 = src.to(tl.int64)[:, None]
     if SOURCE == 0:
@@ -113,13 +124,13 @@ def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, scale_ptr, offs_ptr, poffs_
 
 @functools.lru_cache(maxsize=64)
 def config(W: int, source: int) -> tuple:
-    """(BLOCK_P, BLOCK_X, warps): 64 positions (half a token block of the wgrad: one expert's) by 128 columns, 64 for
-    SwiGLU's gradient (two halves stored). The fastest of nine on an H100 at the Qwen3 and Mixtral shapes
+    """(BLOCK_P, BLOCK_X, warps): 64 positions (half a token block of the wgrad: one expert's) by 128 columns, 32 for
+    SwiGLU's gradient (two halves stored). The fastest of those measured on an H100 at the Qwen3 and Mixtral shapes
     (docs/PERFORMANCE.md)."""
-    return (64, 64, 4) if source == 2 else (64, 128, 4)
+    return (32, 128, 4) if source == 2 else (64, 128, 4)
 
 
-def _launch(source: int, x, h, g, p, scale_L, offs_L, poffs_L, gid_P, P: int, W: int, q_cols: int, fmt: str,
+def _launch(source: int, x, h, g, p, amax_HL, offs_L, poffs_L, gid_P, P: int, W: int, q_cols: int, fmt: str,
             out: Optional[torch.Tensor], align: int, cfg) -> tuple:
     dtype, fmax = FORMATS[fmt]
     src = x if x is not None else h
@@ -130,53 +141,56 @@ def _launch(source: int, x, h, g, p, scale_L, offs_L, poffs_L, gid_P, P: int, W:
                          f"({q_cols}, {P}) {dtype} with unit column stride")
     qt = torch.empty(q_cols, P, device=dev, dtype=dtype) if out is None else out
     amax_bits = torch.zeros(L, device=dev, dtype=torch.int32)
+    inv_M = torch.empty(M, device=dev, dtype=torch.float32)
+    inv_L = torch.ones(L, device=dev, dtype=torch.float32)  # an empty expert's: no row writes it
+    amax_HL = amax_HL.float().reshape(-1, L).contiguous()
     BLOCK_P, BLOCK_X, warps = cfg or config(W, source)
     nxb = triton.cdiv(W, BLOCK_X)
     gp = torch.zeros(M, nxb, device=dev, dtype=torch.float32) if source == 2 and p is not None else None
     if P and W and L:
         launch(_both_kernel, (triton.cdiv(P, BLOCK_P), nxb), src, src if h is None else h, src if g is None else g,
-               src if p is None else p, amax_bits if gp is None else gp, scale_L.float().contiguous(),
+               src if p is None else p, amax_bits if gp is None else gp, amax_HL,
                offs_L.to(torch.int32).contiguous(), poffs_L.to(torch.int32).contiguous(),
-               gid_P.to(torch.int32).contiguous(), q, qt, amax_bits, P, W, L, qt.stride(0), FMAX=fmax, SOURCE=source,
+               gid_P.to(torch.int32).contiguous(), q, qt, amax_bits, inv_M, inv_L, P, W, L, amax_HL.shape[0],
+               qt.stride(0), FMAX=fmax, TINY=_TINY, SOURCE=source,
                HAS_P=p is not None, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, BLOCK_EXPERT=align % BLOCK_P == 0,
                num_warps=warps, enable_fp_fusion=True)  # triton_swiglu's contraction; the quantization has no add
-    return q, qt, amax_bits.view(torch.float32), gp
+    return q, qt, inv_M, inv_L, amax_bits.view(torch.float32), gp
 
 
-def quant_both(x_MX: torch.Tensor, scale_L: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
+def quant_both(x_MX: torch.Tensor, amax_HL: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor,
                gid_P: torch.Tensor, P: int, fmt: str = "e4m3", out: Optional[torch.Tensor] = None, align: int = 1,
                cfg: Optional[tuple] = None) -> tuple:
-    """``(q_MX, qT_XP, amax_L)``: x's rows quantized by their expert's scale (``scale_L``), row-major and in the wgrad's
-    padded transposed layout (``poffs_L``/``gid_P``/``P``: ``fp8_rows_layout``'s; into ``out``, an (X, P) view, where
-    given; ``align``: its alignment), and each expert's amax of |x| over its rows (fp32; 0 for an empty expert)."""
+    """``(q_MX, qT_XP, inv_M, inv_L, amax_L)``: x's rows quantized by their expert's scale, ``scale_of`` of the max of
+    the H amaxes ``amax_HL`` (H, L) holds for it (a delayed history, or (1, L) the current amaxes), row-major and in
+    the wgrad's padded transposed layout (``poffs_L``/``gid_P``/``P``: ``fp8_rows_layout``'s; into ``out``, an (X, P)
+    view, where given; ``align``: its alignment); the dequantization scales (the scales' reciprocals) per row of an
+    expert (others undefined) and per expert (1 for an empty one); and each expert's amax of |x| over its rows (fp32;
+    0 for an empty expert)."""
     x_MX = x_MX.contiguous()
     X = x_MX.shape[1]
-    q, qt, amax, _ = _launch(0, x_MX, None, None, None, scale_L, offs_L, poffs_L, gid_P, P, X, X, fmt, out, align,
-                             cfg)
-    return q, qt, amax
+    return _launch(0, x_MX, None, None, None, amax_HL, offs_L, poffs_L, gid_P, P, X, X, fmt, out, align, cfg)[:5]
 
 
-def swiglu_both(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], scale_L: torch.Tensor, offs_L: torch.Tensor,
+def swiglu_both(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], amax_HL: torch.Tensor, offs_L: torch.Tensor,
                 poffs_L: torch.Tensor, gid_P: torch.Tensor, P: int, fmt: str = "e4m3",
                 out: Optional[torch.Tensor] = None, align: int = 1, cfg: Optional[tuple] = None) -> tuple:
-    """``quant_both(swiglu(h, p))`` without writing the SwiGLU: ``(q_MF, qT_FP, amax_L)``."""
+    """``quant_both(swiglu(h, p))`` without writing the SwiGLU: ``(q_MF, qT_FP, inv_M, inv_L, amax_L)``."""
     h_M2F = h_M2F.contiguous()
     F = h_M2F.shape[1] // 2
     p_M = p_M.reshape(-1).contiguous() if p_M is not None else None
-    q, qt, amax, _ = _launch(1, None, h_M2F, None, p_M, scale_L, offs_L, poffs_L, gid_P, P, F, F, fmt, out, align,
-                             cfg)
-    return q, qt, amax
+    return _launch(1, None, h_M2F, None, p_M, amax_HL, offs_L, poffs_L, gid_P, P, F, F, fmt, out, align, cfg)[:5]
 
 
 def swiglu_backward_both(g_MF: torch.Tensor, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor],
-                         scale_L: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor, gid_P: torch.Tensor,
+                         amax_HL: torch.Tensor, offs_L: torch.Tensor, poffs_L: torch.Tensor, gid_P: torch.Tensor,
                          P: int, fmt: str = "e4m3", out: Optional[torch.Tensor] = None, align: int = 1,
                          cfg: Optional[tuple] = None) -> tuple:
     """``quant_both`` of SwiGLU's input gradient (``g`` the output's gradient) without writing it: ``(q_M2F, qT_2FP,
-    amax_L, gp_M)``, ``gp`` the row weights' gradient (None without ``p``; rows past the last expert's undefined)."""
+    inv_M, inv_L, amax_L, gp_M)``, ``gp`` the row weights' gradient (None without ``p``; rows past the last expert's
+    undefined)."""
     h_M2F, g_MF = h_M2F.contiguous(), g_MF.contiguous()
     F = h_M2F.shape[1] // 2
     p_M = p_M.reshape(-1).contiguous() if p_M is not None else None
-    q, qt, amax, gp = _launch(2, None, h_M2F, g_MF, p_M, scale_L, offs_L, poffs_L, gid_P, P, F, 2 * F, fmt, out,
-                              align, cfg)
-    return q, qt, amax, gp.sum(1) if gp is not None else None
+    *res, gp = _launch(2, None, h_M2F, g_MF, p_M, amax_HL, offs_L, poffs_L, gid_P, P, F, 2 * F, fmt, out, align, cfg)
+    return (*res, gp.sum(1) if gp is not None else None)

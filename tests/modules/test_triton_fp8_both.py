@@ -34,15 +34,22 @@ def _layout(counts, tail: int, align: int):
     return offs, M, gid_M, poffs, P, gid_P
 
 
-def _scales(L: int, seed: int) -> torch.Tensor:
-    return torch.rand(L, generator=torch.Generator().manual_seed(seed)) * 300 + 0.5
+def _amaxes(L: int, seed: int, H: int = 3) -> torch.Tensor:
+    """A delayed history's amaxes (H, L): an expert's scale comes from their max."""
+    return torch.rand(H, L, generator=torch.Generator().manual_seed(seed)) * 300 + 0.5
 
 
-def _check(x_MX, q, qt, amax, scale_L, offs, poffs, gid_M):
-    """q's rows of experts (torch's formula with the expert's scale), qT (each expert's q rows transposed at its
-    padded start, zeros elsewhere), amax (each expert's max |x|)."""
-    from lightning_moe.modules.fp8 import _saturate
+def _check(x_MX, out: tuple, amax_HL, offs, poffs, gid_M):
+    """q's rows of experts (torch's formula with the expert's scale: ``scale_of`` of the max of its amaxes), qT
+    (each expert's q rows transposed at its padded start, zeros elsewhere), the dequantization scales per row and per
+    expert (torch's reciprocals; 1 for an empty expert), amax (each expert's max |x|)."""
+    from lightning_moe.modules.fp8 import _saturate, scale_of
+    q, qt, inv_M, inv_L, amax = out
+    scale_L = scale_of(amax_HL.amax(0), "e4m3")
     end = int(offs[-1])
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert torch.equal(inv_M[:end], scale_L.reciprocal()[gid_M[:end].long()])
+    assert torch.equal(inv_L, torch.where(counts > 0, scale_L.reciprocal(), 1.0))
     ref = _saturate(x_MX[:end], scale_L[gid_M[:end].long()].unsqueeze(1), 448.0, torch.float8_e4m3fn)
     assert torch.equal(q[:end].view(torch.uint8), ref.view(torch.uint8))
     want = torch.zeros(qt.shape, dtype=torch.uint8)
@@ -61,15 +68,18 @@ def _check(x_MX, q, qt, amax, scale_L, offs, poffs, gid_M):
 def test_quant_both_gives_the_formula_in_both_layouts(counts, tail, X, align, cfg):
     from lightning_moe.modules import triton_fp8_both as tb
     from lightning_moe.modules import triton_fp8_quant as tq
+    from lightning_moe.modules.fp8 import scale_of
     offs, M, gid_M, poffs, P, gid_P = _layout(counts, tail, align)
     g = torch.Generator().manual_seed(X + M)
     x = (torch.randn(M, X, generator=g) * torch.logspace(-3, 2, M).unsqueeze(1)).to(torch.bfloat16)
     x[int(offs[-1]):] = float("nan")
     if M > 3:
         x[2, :5] = 1e6  # saturates
-    scale = _scales(len(counts), seed=X)
-    q, qt, amax = tb.quant_both(x, scale, offs, poffs, gid_P, P, align=align, cfg=cfg)
-    _check(x, q, qt, amax, scale, offs, poffs, gid_M)
+    hist = _amaxes(len(counts), seed=X)
+    out = tb.quant_both(x, hist, offs, poffs, gid_P, P, align=align, cfg=cfg)
+    _check(x, out, hist, offs, poffs, gid_M)
+    qt = out[1]
+    scale = scale_of(hist.amax(0), "e4m3")
     ref_t = tq.quant_t_padded(x, scale.unsqueeze(1).expand(-1, X), offs, poffs, gid_P, P, align=align)
     end_p = int(poffs[-1])
     assert torch.equal(qt[:, :end_p].view(torch.uint8), ref_t[:, :end_p].view(torch.uint8))
@@ -82,12 +92,12 @@ def test_quant_both_writes_into_a_strided_out():
     x = torch.randn(M, 48, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     arena = torch.full((48, P + 40), 7, dtype=torch.uint8).view(torch.float8_e4m3fn)
     out = arena[:, 24:24 + P]
-    q, qt, amax = tb.quant_both(x, _scales(4, 2), offs, poffs, gid_P, P, out=out, align=16, cfg=(16, 16, 4))
-    assert qt.data_ptr() == out.data_ptr()
-    _check(x, q, out, amax, _scales(4, 2), offs, poffs, gid_M)
+    res = tb.quant_both(x, _amaxes(4, 2, H=1), offs, poffs, gid_P, P, out=out, align=16, cfg=(16, 16, 4))
+    assert res[1].data_ptr() == out.data_ptr()
+    _check(x, res, _amaxes(4, 2, H=1), offs, poffs, gid_M)
     assert (arena.view(torch.uint8)[:, :24] == 7).all() and (arena.view(torch.uint8)[:, 24 + P:] == 7).all()
     with pytest.raises(ValueError, match="want"):
-        tb.quant_both(x, _scales(4, 2), offs, poffs, gid_P, P, out=arena[:, :P + 1], align=16)
+        tb.quant_both(x, _amaxes(4, 2), offs, poffs, gid_P, P, out=arena[:, :P + 1], align=16)
 
 
 def _swiglu_inputs(counts, tail: int, F: int, weighted: bool, seed: int):
@@ -108,9 +118,9 @@ def test_swiglu_both_quantizes_the_swiglu_kernels_output(weighted, align, cfg):
     counts, F = [5, 0, 9, 3], 96
     offs, M, gid_M, poffs, P, gid_P = _layout(counts, 2, align)
     h, _, p = _swiglu_inputs(counts, 2, F, weighted, seed=F)
-    scale = _scales(4, seed=3)
-    q, qt, amax = tb.swiglu_both(h, p, scale, offs, poffs, gid_P, P, align=align, cfg=cfg)
-    _check(triton_swiglu.forward(h, p), q, qt, amax, scale, offs, poffs, gid_M)
+    hist = _amaxes(4, seed=3)
+    out = tb.swiglu_both(h, p, hist, offs, poffs, gid_P, P, align=align, cfg=cfg)
+    _check(triton_swiglu.forward(h, p), out, hist, offs, poffs, gid_M)
 
 
 @inside
@@ -122,10 +132,10 @@ def test_swiglu_backward_both_quantizes_the_swiglu_gradient(weighted, align, cfg
     counts, F = [5, 0, 9, 3], 96
     offs, M, gid_M, poffs, P, gid_P = _layout(counts, 2, align)
     h, dy, p = _swiglu_inputs(counts, 2, F, weighted, seed=2 * F)
-    scale = _scales(4, seed=4)
-    q, qt, amax, gp = tb.swiglu_backward_both(dy, h, p, scale, offs, poffs, gid_P, P, align=align, cfg=cfg)
+    hist = _amaxes(4, seed=4)
+    *out, gp = tb.swiglu_backward_both(dy, h, p, hist, offs, poffs, gid_P, P, align=align, cfg=cfg)
     dh, rgp = triton_swiglu.backward(dy, h, p)
-    _check(dh, q, qt, amax, scale, offs, poffs, gid_M)
+    _check(dh, out, hist, offs, poffs, gid_M)
     if weighted:
         end = int(offs[-1])
         torch.testing.assert_close(gp[:end], rgp[:end], rtol=1e-5, atol=1e-7)
