@@ -135,7 +135,7 @@ def test_delayed_training_with_the_fused_swiglu_matches_the_separate_passes(reco
     from lightning_moe import FP8Training
     from lightning_moe.callbacks.recompute import Recompute
     from lightning_moe.modules import fp8_grouped_both as both
-    from lightning_moe.modules import fp8_swiglu
+    from lightning_moe.modules import fp8_linear_both, fp8_swiglu
     from lightning_moe.modules import triton_fp8_both as tb
     from tests.test_gpu_fp8 import _model, _train_step
     torch.manual_seed(0)
@@ -145,6 +145,7 @@ def test_delayed_training_with_the_fused_swiglu_matches_the_separate_passes(reco
     monkeypatch.setattr(tb, "swiglu_backward_both", lambda *a, **k: fused.append(1) or real(*a, **k))
     for on in (True, False):
         monkeypatch.setattr(both, "ENABLED", on)
+        monkeypatch.setattr(fp8_linear_both, "ENABLED", on)
         monkeypatch.setattr(fp8_swiglu, "ENABLED", on)
         torch.manual_seed(1)
         lm = _model(FP8Training("delayed", fp8_format="e4m3"))
@@ -158,3 +159,40 @@ def test_delayed_training_with_the_fused_swiglu_matches_the_separate_passes(reco
     assert fused, "the fused SwiGLU backward never ran"
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=0)
     assert losses[True][-1] < losses[True][0]
+
+
+@hopper
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_dense_linear_both_layouts_gives_the_separate_passes_bits(recipe, monkeypatch):
+    """The dense linear with x and dy quantized once into both layouts (``fp8_linear_both``) against the separate
+    passes: y, dx and dw bit for bit over three passes (the same FP8 operands, scales and ``_scaled_mm``; a delayed
+    history's first use and later ones), with 1,000 tokens (the wgrad's padding to 1,024: zero columns) and 1,024."""
+    from lightning_moe.modules import fp8_linear_both
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    calls = []
+    real = fp8_linear_both._quantize
+    monkeypatch.setattr(fp8_linear_both, "_quantize", lambda *a: calls.append(1) or real(*a))
+    for M in (1024, 1000):
+        outs = {}
+        for on in (True, False):
+            monkeypatch.setattr(fp8_linear_both, "ENABLED", on)
+            g = torch.Generator("cuda").manual_seed(M)
+            x0 = torch.randn(M, 512, device="cuda", generator=g).bfloat16()
+            w0 = (torch.randn(768, 512, device="cuda", generator=g) * 0.05).bfloat16()
+            dy0 = (torch.randn(M, 768, device="cuda", generator=g) * 1e-3).bfloat16()
+            spec = FP8Spec(recipe, fp8_format="e4m3", history=2)
+            spec.step = 0
+            res = []
+            for i in range(3):
+                x, w = (x0 * (i + 1)).requires_grad_(), w0.clone().requires_grad_()
+                y = fp8_linear(x, w, spec)
+                y.backward(dy0 * (3 - i))
+                res.append((y, x.grad, w.grad))
+            outs[on] = res
+        for (y1, dx1, dw1), (y0, dx0, dw0) in zip(outs[True], outs[False]):
+            assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+            if M % 128 == 0:
+                assert torch.equal(dw1, dw0)
+            else:  # zero columns in the reduction: the kernel may split it otherwise
+                torch.testing.assert_close(dw1, dw0, rtol=1e-2, atol=1e-5)
+    assert len(calls) == 12  # x and dy, three passes, two token counts

@@ -177,12 +177,13 @@ def fp8_mm(a_MK: torch.Tensor, b_NK: Optional[torch.Tensor], ta: Tiling, tb: Til
 
 class AmaxHistory:
     """Delayed scaling's memory of one operand: the last ``length`` amaxes; the scale of a step comes from their
-    max (the current amax enters the history after use, as in Transformer Engine). Kept on the device: no sync."""
+    max (the current amax enters the history after use, as in Transformer Engine). Kept on the device: no sync. A ring
+    written in place (``push``: one copy), which the one-pass kernels read whole (``fp8_linear_both``)."""
 
     def __init__(self, length: int = 16):
         if length < 1:
             raise ValueError(f"FP8 delayed scaling: amax history length must be >= 1, got {length}")
-        self.length, self.history = length, None
+        self.length, self.history, self.pushed = length, None, 0
 
     def amax(self, x: torch.Tensor) -> torch.Tensor:
         """The amax to scale ``x`` with (its own the first time), recording its current one."""
@@ -190,5 +191,9 @@ class AmaxHistory:
         if self.history is None:
             self.history = current.repeat(self.length)
         used = self.history.amax()
-        self.history = torch.cat([current, self.history[:-1]])
+        self.push(current)
         return used
+
+    def push(self, current: torch.Tensor) -> None:
+        self.history[self.pushed % self.length].copy_(current.reshape(()))
+        self.pushed += 1

@@ -265,8 +265,12 @@ def _mm(spec: FP8Spec, names: tuple[str, str], a_MK, b_NK, roles: tuple[str, str
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_NK, spec: FP8Spec, sync):
-        ctx.spec, ctx.shape = spec, x.shape
+    def forward(ctx, x, w_NK, spec: FP8Spec, sync, both):
+        """``both``: ``fp8_linear_both``'s kernels, where they take this linear (one scale per tensor)."""
+        ctx.spec, ctx.shape, ctx.both = spec, x.shape, both
+        if both is not None:
+            from lightning_moe.modules import fp8_linear_both
+            return fp8_linear_both.forward(ctx, both, x, w_NK, spec)
         # the parameter itself for the main grad (a saved weight may come back as another tensor: wgrad_fusion.py)
         ctx.sync, ctx.weight = sync, w_NK if sync is not None else None
         x_MK = x.reshape(-1, x.shape[-1])
@@ -280,6 +284,9 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.both is not None:
+            from lightning_moe.modules import fp8_linear_both
+            return (*fp8_linear_both.backward(ctx, ctx.both, dy), None, None, None)
         x_MK, w_NK = ctx.saved_tensors
         spec = ctx.spec
         fwd, bwd = spec.formats()
@@ -295,17 +302,18 @@ class _FP8Linear(torch.autograd.Function):
             x_MK = x_MK.to(dy_MN.dtype)
             if sync is not None:  # straight into the fp32 main grad: no fp32 gradient, bf16 rounding or hook's add
                 sync.accumulate_wgrad(param, lambda main, first: wgrad_into(main, dy_MN, x_MK, first))
-                return dx.reshape(ctx.shape), sync.placeholder(param), None, None  # never read: it fires the hook
+                # never read: it fires the hook
+                return dx.reshape(ctx.shape), sync.placeholder(param), None, None, None
             dw = torch.empty(w_NK.shape, dtype=torch.float32, device=w_NK.device)
             wgrad_into(dw, dy_MN, x_MK, True)
-            return dx.reshape(ctx.shape), dw.to(w_NK.dtype), None, None
+            return dx.reshape(ctx.shape), dw.to(w_NK.dtype), None, None, None
         # wgrad dW = dy^T x, reduced over the tokens M (never split); blockwise tiles of 128 tokens: zero rows pad M
         # to a multiple (they add nothing to the product and change no tile's amax)
         pad = (-x_MK.shape[0]) % BLOCK if spec.recipe == "blockwise" else 0
         dy_pad, x_pad = (F.pad(dy_MN, (0, 0, 0, pad)), F.pad(x_MK, (0, 0, 0, pad))) if pad else (dy_MN, x_MK)
         dw = _mm_t(spec, ("dy_t", "x_t"), dy_pad, x_pad, ("grad", "input"), (bwd, fwd), (col, "data"), (row, "data"),
                    w_NK.dtype, "wgrad")
-        return dx.reshape(ctx.shape), dw, None, None
+        return dx.reshape(ctx.shape), dw, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torch.Tensor:
@@ -317,4 +325,6 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torch.Tens
     # fp8_wgrad=False under GradSync's gradient-accumulation fusion: the wgrad's GEMM adds into the main grad (decided
     # here: grad mode is off inside the autograd function's forward)
     sync = None if spec.fp8_wgrad else sink_for(w_NK, x, grouped=False)
-    return _FP8Linear.apply(x, w_NK, spec, sync)
+    from lightning_moe.modules import fp8_linear_both  # it builds on this module
+    both = fp8_linear_both.kernels(spec, x) if torch.is_grad_enabled() and w_NK.requires_grad else None
+    return _FP8Linear.apply(x, w_NK, spec, sync, both)
