@@ -26,13 +26,14 @@ from lightning_moe.modules.fp8_linear import FP8Spec
 from lightning_moe.modules.kernels import interpreting, load
 
 ENABLED = os.environ.get("LMOE_FP8_BOTH", "1") != "0"  # 0: the separate passes, for comparisons
+_DTYPES = (torch.bfloat16, torch.float16)  # triton_fp8_both.DTYPES (fp32 operands: the separate passes)
 
 
 def kernels(spec: FP8Spec, t: torch.Tensor):
     """``triton_fp8_both`` where this GEMM's operands go through it: one scale per expert in E4M3, an FP8 wgrad on
-    ``triton_fp8_wgrad`` (whose 128-row layout the transposed copies take), on CUDA; else None."""
+    ``triton_fp8_wgrad`` (whose 128-row layout the transposed copies take), on CUDA, 16-bit operands; else None."""
     if (not ENABLED or spec.recipe not in ("tensorwise", "delayed") or spec.formats() != ("e4m3", "e4m3")
-            or not spec.fp8_wgrad or not t.is_cuda or interpreting()):
+            or not spec.fp8_wgrad or not t.is_cuda or interpreting() or t.dtype not in _DTYPES):
         return None
     from lightning_moe.modules import fp8_grouped_kernels as gk
     if not gk.TRITON_WGRAD or load("triton_fp8_wgrad", t) is None:

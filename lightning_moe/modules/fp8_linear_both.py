@@ -29,12 +29,12 @@ _TENSOR = Tiling(None, None)
 
 def kernels(spec: FP8Spec, t: torch.Tensor):
     """``triton_fp8_both`` where this linear's operands go through it: one scale per tensor in E4M3, an FP8 wgrad,
-    no TP group to reduce an amax over, on CUDA (SM 8.9 or later); else None."""
+    no TP group to reduce an amax over, 16-bit operands, on CUDA (SM 8.9 or later); else None."""
     from lightning_moe.modules.fp8_linear import _capability
     if (not ENABLED or spec.recipe not in ("tensorwise", "delayed") or spec.formats() != ("e4m3", "e4m3")
             or not spec.fp8_wgrad or spec.group is not None or spec.emulate or not t.is_cuda or interpreting()
-            or _capability(t.device.index) < (8, 9)):
-        return None
+            or t.dtype not in (torch.bfloat16, torch.float16) or _capability(t.device.index) < (8, 9)):
+        return None  # fp32 operands: the separate passes (triton_fp8_both.DTYPES)
     return load("triton_fp8_both", t)
 
 

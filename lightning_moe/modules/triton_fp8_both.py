@@ -32,6 +32,11 @@ from lightning_moe.modules.triton_launch import launch
 from lightning_moe.modules.triton_swiglu import swiglu_grad_math, swiglu_math
 
 
+# the operands' dtypes: from fp32 ones the transposed FP8 store (``tl.trans`` of a tile laid out for fp32 loads) wrote
+# wrong bytes on an H100 with triton 3.6 (docs/PERFORMANCE.md), so they take the separate passes
+DTYPES = (torch.bfloat16, torch.float16)
+
+
 @triton.jit
 def _store_both(v, s, q_ptr, qt_ptr, r64, src_ok, p, pmask, cols, cmask, X, QT_STRIDE, FMAX: tl.constexpr):
     """``v`` (fp32, zeros where ``src_ok`` is false) quantized by ``s``, stored at its rows of q (valid rows) and
@@ -134,6 +139,9 @@ def _launch(source: int, x, h, g, p, amax_HL, offs_L, poffs_L, gid_P, P: int, W:
             out: Optional[torch.Tensor], align: int, cfg) -> tuple:
     dtype, fmax = FORMATS[fmt]
     src = x if x is not None else h
+    if src.dtype not in DTYPES:
+        raise ValueError(f"triton_fp8_both: {src.dtype} operands are not supported (only {DTYPES}): from fp32 ones "
+                         "the transposed copy came out wrong on an H100 with triton 3.6; quantize them separately")
     M, dev, L = src.shape[0], src.device, offs_L.numel()
     q = torch.empty(M, q_cols, device=dev, dtype=dtype)
     if out is not None and (out.shape != (q_cols, P) or out.dtype != dtype or (P and out.stride(1) != 1)):

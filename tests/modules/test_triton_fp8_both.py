@@ -98,6 +98,8 @@ def test_quant_both_writes_into_a_strided_out():
     assert (arena.view(torch.uint8)[:, :24] == 7).all() and (arena.view(torch.uint8)[:, 24 + P:] == 7).all()
     with pytest.raises(ValueError, match="want"):
         tb.quant_both(x, _amaxes(4, 2), offs, poffs, gid_P, P, out=arena[:, :P + 1], align=16)
+    with pytest.raises(ValueError, match="float32 operands are not supported"):  # wrong on an H100: refused
+        tb.quant_both(x.float(), _amaxes(4, 2), offs, poffs, gid_P, P, align=16)
 
 
 def _swiglu_inputs(counts, tail: int, F: int, weighted: bool, seed: int):
