@@ -125,10 +125,11 @@ def test_both_layouts_path_gives_the_separate_passes_bits(recipe, monkeypatch):
 @hopper
 @pytest.mark.parametrize("recompute", [None, "moe_act", "moe"])
 def test_delayed_training_with_the_fused_swiglu_matches_the_separate_passes(recompute, monkeypatch):
-    """FP8Training('delayed', fp8_format='e4m3'): the per-expert GEMMs with the SwiGLU writing a's and dh's copies
-    (never a and dh themselves) train as the separate passes do (the same FP8 operands; the wgrad on another kernel),
-    under recomputation too; the fused kernels run from the second step (the histories' first use takes the amax
-    pass)."""
+    """FP8Training('delayed', fp8_format='e4m3'), bf16 weights: the per-expert GEMMs with the SwiGLU writing a's and
+    dh's copies (never a and dh themselves) and the dense linears' one-pass copies train as the separate passes do
+    (the same FP8 operands; the experts' wgrad on another kernel): every gradient of the first step within 2 % (a
+    wrong copy is off by far more), the losses of four steps within 0.3 %, under recomputation too; the fused
+    kernels run from the second step (the histories' first use takes the amax pass)."""
     import copy
     from types import SimpleNamespace
 
@@ -137,27 +138,39 @@ def test_delayed_training_with_the_fused_swiglu_matches_the_separate_passes(reco
     from lightning_moe.modules import fp8_grouped_both as both
     from lightning_moe.modules import fp8_linear_both, fp8_swiglu
     from lightning_moe.modules import triton_fp8_both as tb
-    from tests.test_gpu_fp8 import _model, _train_step
+    from tests.test_gpu_fp8 import _model
     torch.manual_seed(0)
     tokens = torch.randint(0, 512, (4, 257), device="cuda")
-    base, losses, fused = None, {}, []
+    base, losses, grads, fused = None, {}, {}, []
     real = tb.swiglu_backward_both
     monkeypatch.setattr(tb, "swiglu_backward_both", lambda *a, **k: fused.append(1) or real(*a, **k))
     for on in (True, False):
-        monkeypatch.setattr(both, "ENABLED", on)
-        monkeypatch.setattr(fp8_linear_both, "ENABLED", on)
-        monkeypatch.setattr(fp8_swiglu, "ENABLED", on)
+        for module in (both, fp8_linear_both, fp8_swiglu):
+            monkeypatch.setattr(module, "ENABLED", on)
         torch.manual_seed(1)
         lm = _model(FP8Training("delayed", fp8_format="e4m3"))
+        lm.model.bfloat16()
         if base is None:
             base = copy.deepcopy(lm.model.state_dict())
         lm.model.load_state_dict(base)
         if recompute:
             Recompute([recompute]).on_fit_start(SimpleNamespace(strategy=SimpleNamespace()), lm)
         opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
-        losses[on] = [_train_step(lm.model, opt, tokens).item() for _ in range(4)]
+        losses[on] = []
+        for step in range(4):
+            logits, aux = lm.model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
+            loss.backward()
+            if step == 0:
+                grads[on] = {n: p.grad.float().clone() for n, p in lm.model.named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[on].append(loss.item())
     assert fused, "the fused SwiGLU backward never ran"
-    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=0)
+    for name, g in grads[False].items():
+        rel = ((grads[True][name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert rel < 2e-2, (name, rel)
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=3e-3, atol=0)
     assert losses[True][-1] < losses[True][0]
 
 

@@ -209,8 +209,9 @@ def attach(experts, spec_fc1, spec_fc2, device: torch.device) -> Optional[Handof
                 not gk.eligible(spec.recipe, w.shape[1], w.shape[2], device):
             return None
     probe = torch.empty(0, device=device)
-    if spec_fc1.recipe == "delayed" and both.kernels(spec_fc1, probe) is not None \
-            and both.kernels(spec_fc2, probe) is not None:  # one scale per expert, known before a and dh are made
+    half = probe.bfloat16()  # the per-expert path takes 16-bit operands (fc1 decides per call; fp32: plain SwiGLU)
+    if spec_fc1.recipe == "delayed" and both.kernels(spec_fc1, half) is not None \
+            and both.kernels(spec_fc2, half) is not None:  # one scale per expert, known before a and dh are made
         hand = Handoff(both=(spec_fc1, spec_fc2, experts.w2))
         spec_fc1.handoff, spec_fc2.handoff = (hand, "fc1"), (hand, "fc2")
         experts.act._act = partial(fp8_swiglu, hand=hand, fused=experts.act.fused)
