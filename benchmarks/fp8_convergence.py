@@ -19,7 +19,8 @@ import lightning as L
 import torch
 from common import emit, env_info, log, pick_device, stdout_to_stderr
 
-RUNS = ["bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "fp8-rowwise-fastall", "nvfp4"]
+RUNS = ["bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "fp8-rowwise-fastall", "nvfp4",
+        "fp8-delayed-e4m3-fastall"]
 # ~110 M parameters (8 experts of 3 x 512 x 1024 in each of 8 layers), ~35 M active; every dimension a multiple of
 # 128 so that the blockwise recipe runs everywhere
 MODEL = dict(vocab_size=256, hidden_size=512, num_layers=8, num_attention_heads=8, num_kv_heads=4,
@@ -38,9 +39,10 @@ class Losses(L.Callback):
 
 def callback(run: str):
     from lightning_moe import FP8Training, NVFP4Training
-    if run.startswith("fp8-"):  # fp8-<recipe>[-fastall]: fast accumulation in dgrad and wgrad too
-        recipe, _, fast = run[4:].partition("-")
-        return [FP8Training(recipe, fast_accum="all" if fast == "fastall" else "fprop")]
+    if run.startswith("fp8-"):  # fp8-<recipe>[-e4m3][-fastall]: E4M3 gradients; fast accumulation in dgrad and wgrad
+        recipe, *opts = run[4:].split("-")
+        return [FP8Training(recipe, fast_accum="all" if "fastall" in opts else "fprop",
+                            fp8_format="e4m3" if "e4m3" in opts else None)]
     return [NVFP4Training()] if run == "nvfp4" else []
 
 
