@@ -29,6 +29,10 @@ warp-specialized persistent ``gluon_fp8_grouped_ws`` at fine-grained experts (``
 no grouped kernel for E5M2 operands (the hybrid format's gradients) nor for blockwise scales on Hopper: those GEMMs run
 emulated.
 
+The tensorwise and delayed recipes in E4M3 with an FP8 wgrad and 16-bit operands go through ``fp8_grouped_both``
+instead: one scale per expert, so one pass writes each operand's forward (or dgrad) copy and its wgrad copy
+(``LMOE_FP8_BOTH=0``: the path below, for comparisons).
+
 The rowwise recipe quantizes on Triton kernels (``triton_fp8_quant.py``: the same bits in one or two passes instead
 of about six; ``triton_fp8_weights.py``: both weight copies in two passes instead of four) where triton is installed
 and no amax is reduced over the ETP group; ``LMOE_FP8_TRITON_QUANT=0`` (or ``FUSED_QUANT = False``) keeps the torch
