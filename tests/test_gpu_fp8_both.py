@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.modules.test_triton_fp8_both import _check  # torch's formula, both layouts, the scales
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -16,25 +18,6 @@ def _layout(counts, tail: int, align: int):
     M = sum(counts) + tail
     gid_M, poffs, P, gid_P = fp8_rows_layout(offs, M, align)
     return offs, M, gid_M, poffs, P, gid_P
-
-
-def _check(x_MX, out: tuple, amax_HL, offs, poffs, gid_M):
-    from lightning_moe.modules.fp8 import _saturate, scale_of
-    q, qt, inv_M, inv_L, amax = out
-    scale_L = scale_of(amax_HL.amax(0), "e4m3")
-    end = int(offs[-1])
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    assert torch.equal(inv_M[:end], scale_L.reciprocal()[gid_M[:end].long()])
-    assert torch.equal(inv_L, torch.where(counts > 0, scale_L.reciprocal(), 1.0))
-    ref = _saturate(x_MX[:end], scale_L[gid_M[:end].long()].unsqueeze(1), 448.0, torch.float8_e4m3fn)
-    assert torch.equal(q[:end].view(torch.uint8), ref.view(torch.uint8))
-    want = torch.zeros(qt.shape, dtype=torch.uint8, device="cuda")
-    starts, pstarts = [0] + offs[:-1].tolist(), [0] + poffs[:-1].tolist()
-    for e, (s0, s1, p0) in enumerate(zip(starts, offs.tolist(), pstarts)):
-        want[:, p0:p0 + s1 - s0] = ref[s0:s1].view(torch.uint8).t()
-        assert float(amax[e]) == (float(x_MX[s0:s1].float().abs().max()) if s1 > s0 else 0.0), e
-    end_p = int(poffs[-1])  # past it: never written, never read
-    assert torch.equal(qt[:, :end_p].view(torch.uint8), want[:, :end_p])
 
 
 CASES = [([300, 0, 1024, 77], 5, 128), ([1024] * 6, 0, 128), ([40, 0, 300, 17], 3, 16)]

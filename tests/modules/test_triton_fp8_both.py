@@ -52,7 +52,7 @@ def _check(x_MX, out: tuple, amax_HL, offs, poffs, gid_M):
     assert torch.equal(inv_L, torch.where(counts > 0, scale_L.reciprocal(), 1.0))
     ref = _saturate(x_MX[:end], scale_L[gid_M[:end].long()].unsqueeze(1), 448.0, torch.float8_e4m3fn)
     assert torch.equal(q[:end].view(torch.uint8), ref.view(torch.uint8))
-    want = torch.zeros(qt.shape, dtype=torch.uint8)
+    want = torch.zeros(qt.shape, dtype=torch.uint8, device=qt.device)
     starts = [0] + offs[:-1].tolist()
     pstarts = [0] + poffs[:-1].tolist()
     for e, (s0, s1, p0) in enumerate(zip(starts, offs.tolist(), pstarts)):
