@@ -188,8 +188,9 @@ class AmaxHistory:
     def amax(self, x: torch.Tensor) -> torch.Tensor:
         """The amax to scale ``x`` with (its own the first time), recording its current one."""
         current = x.detach().abs().amax().float().reshape(1)
-        if self.history is None:
-            self.history = current.repeat(self.length)
+        if self.history is None:  # never an inference tensor: later pushes write it in place, maybe outside
+            with torch.inference_mode(False), torch.no_grad():
+                self.history = current.repeat(self.length)
         used = self.history.amax()
         self.push(current)
         return used

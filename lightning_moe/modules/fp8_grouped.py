@@ -68,8 +68,9 @@ class _History:
         self.length, self.past, self.pushed = length, None, 0
 
     def update(self, current: torch.Tensor) -> torch.Tensor:
-        if self.past is None:
-            self.past = current.unsqueeze(0).repeat(self.length, *([1] * current.ndim))
+        if self.past is None:  # never an inference tensor: later pushes write it in place, maybe outside
+            with torch.inference_mode(False), torch.no_grad():
+                self.past = current.unsqueeze(0).repeat(self.length, *([1] * current.ndim))
         used = self.past.amax(0)
         self.push(current)
         return used

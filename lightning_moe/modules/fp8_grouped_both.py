@@ -7,8 +7,10 @@ the wgrad; backward does the same with dy. The expert's weight is quantized once
 per optimizer step under FP8Training, its delayed amax history then advancing once per step). Delayed scaling takes
 the scale from the operand's history before reading it and records the current amax in the same pass; on first use,
 and under tensorwise (current) scaling, the amax comes first from a pass of its own. Each GEMM's bits are those of the
-separate passes (``fp8_grouped_kernels``' other path, with the same scales): the wgrad's x^T has x's scale (one
-history, ``x``, where the emulation also keeps ``x_t``: they differ only under recomputation, which pushes x twice).
+separate passes (``fp8_grouped_kernels``' other path, with the same scales). Forwards without a backward
+(validation) take this path too: one weight copy and one push per operand, as in training. The wgrad's x^T has x's
+scale (one history, ``x``, as Transformer Engine's), where the emulation also keeps ``x_t``, pushed in backward only:
+the two differ where a forward runs without its backward (validation) or twice (recomputation).
 
 Shapes: M routed rows (sorted by expert), K input features, N output features, L local experts, P padded rows.
 """

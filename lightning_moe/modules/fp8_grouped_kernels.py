@@ -200,7 +200,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         L, K, N = w_LKN.shape
         M = x_MK.shape[0]
         offs = offs_L.to(torch.int32)
-        ctx.both = both.kernels(spec, x_MK) if wgrad else None
+        # with or without a backward to come (validation: the same weight copies and histories as training)
+        ctx.both = both.kernels(spec, x_MK)
         if ctx.both is not None:  # one scale per expert: both layouts of each operand in one pass
             return both.forward(ctx, x_MK, w_LKN, offs, spec, sync)
         tq = _quant_kernels(spec, x_MK)

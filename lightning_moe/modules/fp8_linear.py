@@ -326,5 +326,5 @@ def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torch.Tens
     # here: grad mode is off inside the autograd function's forward)
     sync = None if spec.fp8_wgrad else sink_for(w_NK, x, grouped=False)
     from lightning_moe.modules import fp8_linear_both  # it builds on this module
-    both = fp8_linear_both.kernels(spec, x) if torch.is_grad_enabled() and w_NK.requires_grad else None
+    both = fp8_linear_both.kernels(spec, x)  # with or without a backward: one weight copy, one history per operand
     return _FP8Linear.apply(x, w_NK, spec, sync, both)

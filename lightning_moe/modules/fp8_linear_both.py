@@ -4,15 +4,18 @@ layouts from one pass, as ``fp8_grouped_both`` does for the experts (``triton_fp
 x's copy for the forward and x^T's for the wgrad share x's scale, as dy's for the dgrad and dy^T's for the wgrad
 share dy's: one read of each operand writes both, and backward keeps x^T (FP8) instead of x. The weight's two copies
 come from one scale, cached once per optimizer step under FP8Training. The GEMMs are ``torch._scaled_mm``'s with the
-separate passes' operands and scales, so the same bits (x^T's scale is x's history's, which the emulation keeps as
-``x_t`` too: they differ only under recomputation). The wgrad's reduction over tokens is padded to a multiple of 128
-with zero columns.
+separate passes' operands and scales, so the same bits; forwards without a backward (validation) take the same path,
+so that they share the weight copies and push the same histories. Delayed scaling's x^T is scaled by x's history, as
+Transformer Engine does; the emulation keeps an ``x_t`` history too, pushed in backward only, so the two differ where
+a forward runs without its backward (validation) or twice (recomputation). The wgrad's reduction over tokens is padded
+to a multiple of 128 with zero columns.
 
 Shapes: M tokens, K input features, N output features, P tokens padded.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,18 +41,14 @@ def kernels(spec: FP8Spec, t: torch.Tensor):
     return load("triton_fp8_both", t)
 
 
-_LAYOUTS: dict = {}
-
-
+@functools.lru_cache(maxsize=16)  # a few token counts per model; bounded for variable-length batches
 def _layout(M: int, device: torch.device) -> tuple:
     """The one group's bounds on the device, made once per token count: (offs, poffs, gid_P, P)."""
-    key = (M, device)
-    if key not in _LAYOUTS:
-        P = -(-M // ALIGN) * ALIGN
-        _LAYOUTS[key] = (torch.full((1,), M, dtype=torch.int32, device=device),
-                         torch.full((1,), P, dtype=torch.int32, device=device),
-                         torch.zeros(P, dtype=torch.int32, device=device), P)
-    return _LAYOUTS[key]
+    P = -(-M // ALIGN) * ALIGN
+    with torch.inference_mode(False):  # read by training too
+        return (torch.full((1,), M, dtype=torch.int32, device=device),
+                torch.full((1,), P, dtype=torch.int32, device=device),
+                torch.zeros(P, dtype=torch.int32, device=device), P)
 
 
 def _reduce(amax: torch.Tensor, spec: FP8Spec) -> torch.Tensor:
@@ -82,8 +81,10 @@ def _weights(w_NK: torch.Tensor, spec: FP8Spec) -> tuple:
     """The weight's forward (N, K) and dgrad (K, N) copies, one scale (its history's under delayed scaling)."""
     fmt = spec.formats()[0]
     dtype, fmax = FORMATS[fmt]
-    amax = spec.amax("w", w_NK, _TENSOR, None, None)
-    amax = w_NK.detach().abs().amax().float().reshape(1, 1) if amax is None else amax.reshape(1, 1)
+    amax = spec.weight_amax(w_NK)  # the FP8 parameter all-gather's: its bytes back
+    if amax is None:
+        amax = spec.amax("w", w_NK, _TENSOR, None, None)
+    amax = w_NK.detach().abs().amax().float().reshape(1, 1) if amax is None else amax.float().reshape(1, 1)
     s = scale_of(amax, fmt)
     inv = s.reciprocal()
     return (saturate(w_NK, s, fmax, dtype), None, inv), (saturate(w_NK.t(), s, fmax, dtype).contiguous(), None, inv)

@@ -210,7 +210,7 @@ def attach(experts, spec_fc1, spec_fc2, device: torch.device) -> Optional[Handof
             return None
     probe = torch.empty(0, device=device)
     half = probe.bfloat16()  # the per-expert path takes 16-bit operands (fc1 decides per call; fp32: plain SwiGLU)
-    if spec_fc1.recipe == "delayed" and both.kernels(spec_fc1, half) is not None \
+    if spec_fc1.recipe == "delayed" and experts.act.fused and both.kernels(spec_fc1, half) is not None \
             and both.kernels(spec_fc2, half) is not None:  # one scale per expert, known before a and dh are made
         hand = Handoff(both=(spec_fc1, spec_fc2, experts.w2))
         spec_fc1.handoff, spec_fc2.handoff = (hand, "fc1"), (hand, "fc2")

@@ -201,3 +201,21 @@ def test_dense_linear_weight_is_quantized_once_per_step():
         spec.step = 1
         run(spec)
         assert spec.weights["w"][2] is not first
+
+
+def test_delayed_histories_made_under_inference_mode_take_later_pushes():
+    """A delayed history first made in an inference-mode forward (an evaluation callback) is written in place by the
+    training steps after it: it must not be an inference tensor."""
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    from lightning_moe.modules.fp8_linear import fp8_linear
+    torch.manual_seed(0)
+    dense, grouped = FP8Spec("delayed", history=2), FP8Spec("delayed", history=2)
+    x, w = torch.randn(8, 16), torch.randn(12, 16, requires_grad=True)
+    xe, we, offs = torch.randn(6, 8), torch.randn(2, 8, 4, requires_grad=True), torch.tensor([3, 6], dtype=torch.int32)
+    with torch.inference_mode():
+        fp8_linear(x, w, dense), fp8_grouped_mm(xe, we, offs, grouped)
+    for _ in range(2):
+        fp8_linear(x, w, dense).sum().backward()
+        fp8_grouped_mm(xe, we, offs, grouped).sum().backward()
+    assert dense.histories["x"].pushed == 3 and grouped.histories["x"].pushed == 3
+    assert not dense.histories["x"].history.is_inference() and not grouped.histories["x"].past.is_inference()

@@ -16,7 +16,7 @@ from tests.modules.interpreted import INSIDE, run_interpreted  # noqa: E402
 
 @pytest.mark.skipif(INSIDE, reason="the outer test only")
 def test_kernels_under_the_interpreter():
-    run_interpreted(__file__, timeout=600, passed=11)
+    run_interpreted(__file__, timeout=600, passed=12)
 
 
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
@@ -143,3 +143,37 @@ def test_swiglu_backward_both_quantizes_the_swiglu_gradient(weighted, align, cfg
         torch.testing.assert_close(gp[:end], rgp[:end], rtol=1e-5, atol=1e-7)
     else:
         assert gp is None and rgp is None
+
+
+@inside
+def test_dense_path_validation_shares_the_weight_copy_and_histories(monkeypatch):
+    """The dense linear on ``fp8_linear_both`` (forced here: the interpreter runs its pass, ``torch._scaled_mm`` runs
+    on the CPU): a forward without grad between training steps (validation) takes the same path, so the weight's
+    delayed history advances once per step and one weight copy is cached; the results are the separate passes' bits
+    while no validation intervenes."""
+    from lightning_moe.modules import fp8_linear_both
+    from lightning_moe.modules import triton_fp8_both as tb
+    from lightning_moe.modules.fp8_linear import FP8Spec, fp8_linear
+    monkeypatch.setattr(fp8_linear_both, "kernels", lambda spec, t: tb if spec.formats() == ("e4m3", "e4m3") else None)
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(256, 64).bfloat16(), (torch.randn(96, 64) * 0.05).bfloat16()
+    runs = {}
+    for both in (True, False):
+        if not both:
+            monkeypatch.setattr(fp8_linear_both, "kernels", lambda spec, t: None)
+        spec = FP8Spec("delayed", fp8_format="e4m3", history=4)
+        out = []
+        for step in range(3):
+            spec.step = step
+            x, w = (x0 * (step + 1)).requires_grad_(), w0.clone().requires_grad_()
+            y = fp8_linear(x, w, spec)
+            y.float().square().sum().backward()
+            out.append((y.detach(), x.grad, w.grad))
+        runs[both] = out
+        if both:
+            assert spec.histories["w"].pushed == 3 and list(spec.weights) == ["w_both"]
+            with torch.no_grad():  # validation at the last step: the cached copy, no new push
+                fp8_linear(x0, w, spec)
+            assert spec.histories["w"].pushed == 3 and spec.histories["x"].pushed == 4
+    for a, b in zip(runs[True], runs[False]):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
