@@ -62,8 +62,13 @@ def _quantize(tb, spec: FP8Spec, name: str, x_MX: torch.Tensor, offs, layout: tu
     q, qT, inv_M, inv_L, amax_L = tb.quant_both(x_MX, amax_HL, offs, poffs_L, gid_P, P, spec.formats()[0],
                                                 align=align)
     if push:
-        history(spec, name).push(reduce_groups(amax_L, spec, split, tokens=True))
+        record(spec, name, amax_L, split)
     return q, qT, inv_M, inv_L
+
+
+def record(spec: FP8Spec, name: str, amax_L: torch.Tensor, split: bool) -> None:
+    """A pass's current per-expert amax into operand ``name``'s delayed history, reduced over the ranks first."""
+    history(spec, name).push(reduce_groups(amax_L, spec, split, tokens=True))
 
 
 def _handoff(spec: FP8Spec) -> tuple:

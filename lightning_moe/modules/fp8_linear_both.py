@@ -19,9 +19,9 @@ import functools
 import os
 
 import torch
-import torch.distributed as dist
 
 from lightning_moe.modules.fp8 import FORMATS, AmaxHistory, Tiling, fp8_mm, saturate, scale_of
+from lightning_moe.modules.fp8_grouped import reduce_groups  # over data_group: the ranks holding other tokens
 from lightning_moe.modules.fp8_linear import FP8Spec
 from lightning_moe.modules.kernels import interpreting, load
 
@@ -51,13 +51,6 @@ def _layout(M: int, device: torch.device) -> tuple:
                 torch.zeros(P, dtype=torch.int32, device=device), P)
 
 
-def _reduce(amax: torch.Tensor, spec: FP8Spec) -> torch.Tensor:
-    """Over the data-parallel ranks, which hold other tokens of the same tensor (``FP8Spec.amax``'s "data")."""
-    if spec.data_group is not None:
-        dist.all_reduce(amax, dist.ReduceOp.MAX, group=spec.data_group)
-    return amax
-
-
 def _quantize(tb, spec: FP8Spec, name: str, x_MK: torch.Tensor) -> tuple:
     """``((q_MK, None, inv), (qT_KP, None, inv))``: operand ``name`` for ``fp8_mm`` in both layouts, one pass (after
     its amax, where needed: tensorwise, a history's first use)."""
@@ -68,11 +61,11 @@ def _quantize(tb, spec: FP8Spec, name: str, x_MK: torch.Tensor) -> tuple:
     if push:
         amax_HL = hist.history.reshape(-1, 1)
     else:
-        amax = _reduce(x_MK.detach().abs().amax().float().reshape(1), spec)
+        amax = reduce_groups(x_MK.detach().abs().amax().float().reshape(1), spec, False, tokens=True)
         amax_HL = (hist.amax(amax) if hist is not None else amax).reshape(1, 1)
     q, qT, _, inv_L, amax_L = tb.quant_both(x_MK, amax_HL, offs, poffs, gid_P, P, spec.formats()[0], align=ALIGN)
     if push:
-        hist.push(_reduce(amax_L, spec))
+        hist.push(reduce_groups(amax_L, spec, False, tokens=True))
     inv = inv_L.reshape(1, 1)
     return (q, None, inv), (qT, None, inv)
 
@@ -97,7 +90,7 @@ def forward(ctx, tb, x: torch.Tensor, w_NK: torch.Tensor, spec: FP8Spec) -> torc
     y = fp8_mm(x_MK, None, _TENSOR, _TENSOR, "e4m3", "e4m3", x.dtype, False, None, None, spec.fast("fprop"),
                b_q=w_q, a_q=x_q)
     ctx.save_for_backward(xT_q[0], xT_q[2], w_NK)
-    ctx.w_t, ctx.x_shape, ctx.x_dtype, ctx.M = wt_q, x.shape, x.dtype, x_MK.shape[0]
+    ctx.w_t, ctx.x_shape, ctx.x_dtype = wt_q, x.shape, x.dtype
     return y.reshape(*x.shape[:-1], w_NK.shape[0])
 
 

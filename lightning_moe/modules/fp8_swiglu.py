@@ -151,13 +151,11 @@ def _amaxes(spec, name: str, split: bool, offs_L, make) -> tuple:
     """``fp8_grouped_both.amaxes`` for operand ``name``, made by the fused pass: ``(amax_HL, push)``, ``push`` taking
     the pass's amax into the history (nothing to push on the history's first use, whose amax comes from ``make()``,
     the operand itself). The same kernels run either way: a recomputed forward saves what the first one saved."""
-    from lightning_moe.modules.fp8_grouped import history, reduce_groups
-    from lightning_moe.modules.fp8_grouped_both import amaxes
+    from lightning_moe.modules.fp8_grouped import history
+    from lightning_moe.modules.fp8_grouped_both import amaxes, record
     pending = history(spec, name).past is not None
-    amax_HL, _ = amaxes(spec, name, make() if not pending else None, offs_L, split)
-    if not pending:
-        return amax_HL, lambda amax_L: None
-    return amax_HL, lambda amax_L: history(spec, name).push(reduce_groups(amax_L, spec, split, tokens=True))
+    amax_HL, push = amaxes(spec, name, None if pending else make(), offs_L, split)
+    return amax_HL, (lambda amax_L: record(spec, name, amax_L, split)) if push else (lambda amax_L: None)
 
 
 def _fp8_swiglu_both(h_M2F, p_M, hand: Handoff, fused: bool, rows: tuple, fmt: str) -> torch.Tensor:
