@@ -199,6 +199,8 @@ def padded_rows(counts: list[int], h: int, device, dtype) -> tuple:
 def fp8_block(x_MD, w13_EDF2, w2_EFD, offs_E, spec1, spec2, fused_swiglu: bool = False):
     """The bare block with FP8 GEMMs; ``fused_swiglu``: the layer's Triton SwiGLU, else torch's (as ``bare_block``);
     fused with the quantization (``fp8_swiglu``) where the specs hold a handoff."""
+    if spec1.handoff is not None and spec1.handoff[0].both is not None:
+        fp8_swiglu_mod.prepare(None, spec1.handoff[0])  # as GroupedExperts tells its activation before fc1
     h_M2F = fp8_grouped_mm(x_MD, w13_EDF2, offs_E, spec1)
     if spec1.handoff is not None:
         return fp8_grouped_mm(fp8_swiglu(h_M2F, None, spec1.handoff[0]), w2_EFD, offs_E, spec2)

@@ -144,6 +144,10 @@ class SwiGLUActivation(nn.Module):
     def _act(self, h_M2F: torch.Tensor, p_M: Optional[torch.Tensor]) -> torch.Tensor:
         return swiglu(h_M2F, p_M, self.fused)
 
+    def prepare(self, p_M: Optional[torch.Tensor]) -> None:
+        """Told the rows' weights before fc1 runs. Nothing here; where ``FP8Training`` makes this activation in fc1's
+        epilogue (``fp8_swiglu``), fc1 needs them."""
+
 
 class GroupedExperts(nn.Module):
     """``num_local_experts`` SwiGLU experts whose FFN dimension is sharded over ``etp_size`` ranks.
@@ -191,6 +195,7 @@ class GroupedExperts(nn.Module):
         if has_tail:
             valid_M1 = (torch.arange(x_MD.shape[0], device=x_MD.device) < offs_L[-1]).unsqueeze(1)
             x_MD = torch.where(valid_M1, x_MD, 0)
+        self.act.prepare(probs_M)
         h_M2F = self.fc1(x_MD.to(dtype), self.w13.to(dtype), offs_L)
         a_MF = self.act(h_M2F) if probs_M is None else self.act(h_M2F, probs_M)
         y_MD = self.fc2(a_MF, self.w2.to(dtype), offs_L)

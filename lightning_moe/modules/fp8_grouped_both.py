@@ -28,6 +28,10 @@ from lightning_moe.modules.fp8_linear import FP8Spec
 from lightning_moe.modules.kernels import interpreting, load
 
 ENABLED = os.environ.get("LMOE_FP8_BOTH", "1") != "0"  # 0: the separate passes, for comparisons
+# fc1's GEMM makes the SwiGLU's FP8 copies in its epilogue (``gluon_fp8_fc1_swiglu``, bit-identical) where it runs;
+# 0: the separate pass (``triton_fp8_both.swiglu_both``), for comparisons. At Qwen3's experts 4-6 % faster than the
+# GEMM and the pass on an H100, within 2 % either way on an H200 (docs/PERFORMANCE.md)
+FC1_SWIGLU = os.environ.get("LMOE_FP8_FC1_SWIGLU", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16)  # triton_fp8_both.DTYPES (fp32 operands: the separate passes)
 
 
@@ -102,19 +106,48 @@ def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, sp
     gid_M, poffs_L, P, gid_P = fp8_rows_layout(offs, M, align)
     layout = (poffs_L, P, gid_P, align)
     hand, side = _handoff(spec)
+    probs = None
     if side == "fc1":  # for the fused SwiGLU, whose dh handoff left from before is stale
-        hand.rows, hand.backward = (M, offs, gid_M, layout), None
+        hand.rows, hand.backward, hand.premade = (M, offs, gid_M, layout), None, None
+        probs, hand.probs = hand.probs, None
     pre = hand.take("forward", x_MK) if side == "fc2" else None  # a, quantized by the fused SwiGLU
     xq, xT, x_inv_M, x_inv_L = pre if pre is not None else _quantize(tb, spec, "x", x_MK.contiguous(), offs,
                                                                       layout, row)
     # both copies made once, the dgrad's kept for backward even uncached (a delayed history pushes once)
     wq_LNK, wt_LKN, w_inv_LN, w_inv_LK = spec.cached_weight("w_both_per_expert", w_LKN,
                                                             lambda: _weights(w_LKN, spec, col, row))
-    y = gk._rows_gemm(xq, wq_LNK.transpose(1, 2), x_inv_M, w_inv_LN, offs, spec.fast("fprop"))
+    epi = _fc1_swiglu(spec, hand, probs, x_MK, M, K, N, L, layout) if probs is not None else None
+    if epi is not None:  # the SwiGLU's FP8 copies made in fc1's epilogue, for the SwiGLU to take (fp8_swiglu)
+        fk, amax_HL = epi
+        y, *a_copies, amax_L = fk.fc1_swiglu(xq, wq_LNK, x_inv_M, w_inv_LN, offs, probs[0], amax_HL, layout[1],
+                                             spec.formats()[0])
+        hand.put("premade", y, (probs[0], tuple(a_copies), amax_L))
+    else:
+        y = gk._rows_gemm(xq, wq_LNK.transpose(1, 2), x_inv_M, w_inv_LN, offs, spec.fast("fprop"))
     ctx.save_for_backward(xT, x_inv_L, w_LKN, offs)
     ctx.layout, ctx.w_t, ctx.spec, ctx.dtype = layout, (wt_LKN, w_inv_LK), spec, x_MK.dtype
     ctx.sync, ctx.param = sync, w_LKN if sync is not None else None
     return y.to(x_MK.dtype)
+
+
+def _fc1_swiglu(spec: FP8Spec, hand, probs: tuple, x_MK: torch.Tensor, M: int, K: int, N: int, L: int,
+                layout: tuple):
+    """``(gluon_fp8_fc1_swiglu, the amaxes a's delayed scale is the max of)`` where fc1's forward makes the SwiGLU's
+    FP8 copies in its epilogue: the SwiGLU asked for them before fc1 (``fp8_swiglu.prepare``), fc2's input history
+    holds a past amax (a first use takes the current one, from a pass of its own), bf16 h, and fc1's GEMM would be
+    the warp-specialized one the kernel extends (fast accumulation, fine-grained experts), the wgrad's rows padded
+    to its 128-row tiles; else None."""
+    from lightning_moe.modules import fp8_grouped_kernels as gk
+    spec2 = hand.both[1]
+    if (not FC1_SWIGLU or not x_MK.is_cuda or interpreting() or x_MK.dtype != torch.bfloat16
+            or not spec.fast("fprop") or not gk.TRITON_GEMM or not (gk.GLUON_WS_GEMM or gk.GLUON_WS_NARROW)
+            or spec2.recipe != "delayed" or history(spec2, "x").past is None or hand.both[2].shape[1] * 2 != N
+            or layout[3] != 128):
+        return None
+    fk = load("gluon_fp8_fc1_swiglu", x_MK)
+    if fk is None or not fk.fits(M, K, N // 2, L):
+        return None
+    return fk, history(spec2, "x").past
 
 
 def backward(ctx, dy_MN: torch.Tensor) -> tuple:

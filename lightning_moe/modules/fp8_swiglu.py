@@ -55,6 +55,8 @@ class Handoff:
         # (spec_fc1, spec_fc2, w2) where the GEMMs quantize per expert into both layouts (``fp8_grouped_both``, the
         # delayed recipe): a and dh are then handed over as (q, qT, dequantization scales) and never written
         self.both = both
+        self.probs: Optional[tuple] = None  # (p,): the rows' weights for fc1's epilogue (``prepare``), taken by fc1
+        self.premade: Optional[tuple] = None  # (h, its key, (p, (q, qT, ...), amax)): a made by fc1's epilogue
 
     def put(self, which: str, t: torch.Tensor, quantized: tuple, unwritten: bool = False) -> None:
         # t itself is held too: while the handoff lives, no other tensor can take its memory and match its key
@@ -112,14 +114,21 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
     never written: the returned a and dh are placeholders that only the GEMMs' handoffs stand for. Keeps h, p."""
 
     @staticmethod
-    def forward(ctx, h_M2F, p_M, offs_L, layout: tuple, hand: Handoff, fmt: str):
+    def forward(ctx, h_M2F, p_M, offs_L, layout: tuple, hand: Handoff, fmt: str, pre: Optional[tuple] = None):
         from lightning_moe.modules import triton_fp8_both as tb
         from lightning_moe.modules import triton_swiglu
+        from lightning_moe.modules.fp8_grouped_both import record
         spec2 = hand.both[1]
-        amax_HL, push = _amaxes(spec2, "x", spec2.split == "in", offs_L, lambda: triton_swiglu.forward(h_M2F, p_M))
-        poffs_L, P, gid_P, align = layout
-        q, qT, inv_M, inv_L, amax_L = tb.swiglu_both(h_M2F, p_M, amax_HL, offs_L, poffs_L, gid_P, P, fmt, align=align)
-        push(amax_L)
+        if pre is not None and pre[0] is p_M:  # made by fc1's epilogue, with these weights
+            (q, qT, inv_M, inv_L), amax_L = pre[1:]
+            record(spec2, "x", amax_L, spec2.split == "in")
+        else:
+            amax_HL, push = _amaxes(spec2, "x", spec2.split == "in", offs_L,
+                                    lambda: triton_swiglu.forward(h_M2F, p_M))
+            poffs_L, P, gid_P, align = layout
+            q, qT, inv_M, inv_L, amax_L = tb.swiglu_both(h_M2F, p_M, amax_HL, offs_L, poffs_L, gid_P, P, fmt,
+                                                         align=align)
+            push(amax_L)
         a_MF = h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
         hand.put("forward", a_MF, (q, qT, inv_M, inv_L), unwritten=True)
         ctx.save_for_backward(h_M2F, p_M, offs_L)
@@ -134,7 +143,7 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
         hand = ctx.hand
         hand.forward = hand.grad_out = None
         if not ctx.needs_input_grad[0]:  # no dh wanted (fc1 runs no backward to take it): the row weights' only
-            return None, triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[1], None, None, None, None
+            return None, triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[1], None, None, None, None, None
         spec1 = hand.both[0]
         amax_HL, push = _amaxes(spec1, "dy", spec1.split == "out", offs_L,
                                 lambda: triton_swiglu.backward(g_MF.contiguous(), h_M2F, p_M)[0])
@@ -144,7 +153,7 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
         push(amax_L)
         dh = torch.empty_like(h_M2F)
         hand.put("backward", dh, (q, qT, inv_M, inv_L), unwritten=True)
-        return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None
+        return dh, (gp if ctx.needs_input_grad[1] else None), None, None, None, None, None
 
 
 def _amaxes(spec, name: str, split: bool, offs_L, make) -> tuple:
@@ -158,16 +167,24 @@ def _amaxes(spec, name: str, split: bool, offs_L, make) -> tuple:
     return amax_HL, (lambda amax_L: record(spec, name, amax_L, split)) if push else (lambda amax_L: None)
 
 
-def _fp8_swiglu_both(h_M2F, p_M, hand: Handoff, fused: bool, rows: tuple, fmt: str) -> torch.Tensor:
+def _fp8_swiglu_both(h_M2F, p_M, hand: Handoff, fused: bool, rows: tuple, fmt: str, pre: Optional[tuple]
+                     ) -> torch.Tensor:
     """``fp8_swiglu`` for the per-expert GEMMs, where fc2 will take a's copies (it makes a wgrad); else plain (fc2
-    then quantizes a itself)."""
+    then quantizes a itself). a's copies come from fc1's epilogue where it made them for this h (``premade``)."""
     from lightning_moe.modules.experts import swiglu
     _, spec2, w2 = hand.both
     if (not torch.is_grad_enabled() or not w2.requires_grad
             or not (h_M2F.requires_grad or (p_M is not None and p_M.requires_grad))):
         return swiglu(h_M2F, p_M, fused)
     offs_L, _, layout = rows
-    return _FP8SwiGLUBoth.apply(h_M2F, p_M, offs_L, layout, hand, fmt)
+    return _FP8SwiGLUBoth.apply(h_M2F, p_M, offs_L, layout, hand, fmt, pre)
+
+
+def prepare(p_M: Optional[torch.Tensor], hand: Handoff) -> None:
+    """``SwiGLUActivation.prepare`` under the per-expert GEMMs: fc1 may make a's FP8 copies in its epilogue
+    (``fp8_grouped_both``) where the SwiGLU will take them (``_fp8_swiglu_both``'s conditions, as far as known
+    before fc1: fc1's forward runs without grad mode)."""
+    hand.probs = (p_M,) if torch.is_grad_enabled() and hand.both[2].requires_grad else None
 
 
 def fp8_swiglu(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], hand: Handoff, fused: bool = True,
@@ -176,12 +193,13 @@ def fp8_swiglu(h_M2F: torch.Tensor, p_M: Optional[torch.Tensor], hand: Handoff, 
     Triton kernels run for h, F is a multiple of 128, and fc1's forward just recorded these rows' experts. A rebuild
     in backward (``Recompute(["moe_act"])``: no grad, inside backward) has no fc2 to take its quantization: plain."""
     from lightning_moe.modules.experts import swiglu
-    hand.input = None  # fc1 has run: an input handoff left now was never taken
+    hand.input = hand.probs = None  # fc1 has run: an input handoff left now was never taken
+    pre = hand.take("premade", h_M2F) if hand.premade is not None else None  # dropped unless this path takes it
     rows = hand.take_rows(h_M2F.shape[0]) if h_M2F.ndim == 2 else None
     tsw = kernels.load("triton_fp8_swiglu", h_M2F, fused) if rows is not None else None
     rebuild = not torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
     if hand.both is not None and rows is not None and len(rows) == 3 and not rebuild:
-        return _fp8_swiglu_both(h_M2F, p_M, hand, fused, rows, fmt)
+        return _fp8_swiglu_both(h_M2F, p_M, hand, fused, rows, fmt, pre)
     if tsw is None or rebuild or not tsw.fuses(h_M2F.shape[1] // 2) or len(rows) != 2:
         return swiglu(h_M2F, p_M, fused)
     offs_L, gid_M = rows
@@ -213,6 +231,7 @@ def attach(experts, spec_fc1, spec_fc2, device: torch.device) -> Optional[Handof
         hand = Handoff(both=(spec_fc1, spec_fc2, experts.w2))
         spec_fc1.handoff, spec_fc2.handoff = (hand, "fc1"), (hand, "fc2")
         experts.act._act = partial(fp8_swiglu, hand=hand, fused=experts.act.fused)
+        experts.act.prepare = partial(prepare, hand=hand)
         return hand
     tsw = kernels.load("triton_fp8_swiglu", probe, experts.act.fused)
     if tsw is None or gk._quant_kernels(spec_fc1, probe) is None or not tsw.fuses(experts.w2.shape[1]):
@@ -225,4 +244,5 @@ def attach(experts, spec_fc1, spec_fc2, device: torch.device) -> Optional[Handof
 
 def detach(experts, spec_fc1, spec_fc2) -> None:
     experts.act.__dict__.pop("_act", None)
+    experts.act.__dict__.pop("prepare", None)
     spec_fc1.handoff = spec_fc2.handoff = None

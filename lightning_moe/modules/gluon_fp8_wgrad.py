@@ -206,6 +206,13 @@ def _buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.constex
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2 * CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    ready, empty, order = barriers(STAGES)
+    return a_bufs, b_bufs, c_smem, ready, empty, order
+
+
+@gluon.jit
+def barriers(STAGES: gl.constexpr):
+    """The stages' ready and empty barriers and the consumers' turn barriers, initialized."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -214,7 +221,7 @@ def _buffers(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.constex
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
-    return a_bufs, b_bufs, c_smem, ready, empty, order
+    return ready, empty, order
 
 
 @gluon.jit

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from lightning_moe.modules.fp8 import FORMATS
 from lightning_moe.modules.fp8 import _TINY
-from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat, _scale, _stored
+from lightning_moe.modules.triton_fp8_quant import _max_nan, _sat, _scale, _stored, expert_rows
 from lightning_moe.modules.triton_launch import launch
 from lightning_moe.modules.triton_swiglu import swiglu_grad_math, swiglu_math
 
@@ -70,17 +70,7 @@ def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, hist_ptr, offs_ptr, poffs_p
     p = p0 + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     pmask, cmask = p < P, cols < W
-    if BLOCK_EXPERT:
-        g = tl.load(gid_ptr + p0)
-        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-        end = tl.load(offs_ptr + g)
-        pstart = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
-    else:
-        g = tl.load(gid_ptr + p, mask=pmask, other=0)
-        first = pmask & (g > 0)
-        start = tl.load(offs_ptr + g - 1, mask=first, other=0)
-        end = tl.load(offs_ptr + g, mask=pmask, other=0)
-        pstart = tl.load(poffs_ptr + g - 1, mask=first, other=0)
+    g, start, end, pstart = expert_rows(p0, p, pmask, gid_ptr, offs_ptr, poffs_ptr, BLOCK_EXPERT)
     gv = g + tl.zeros((BLOCK_P,), tl.int32)  # each position's expert (one for all under BLOCK_EXPERT)
     used = tl.zeros((BLOCK_P,), tl.float32)
     for i in range(H):

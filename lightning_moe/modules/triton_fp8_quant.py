@@ -295,28 +295,38 @@ def _quant_t_one_group_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, inv_ptr, M, X, FMAX
 
 
 @triton.jit
-def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X, Q_STRIDE, FMAX: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_EXPERT: tl.constexpr = False):
-    """BLOCK_P padded positions x BLOCK_X columns: each position's expert (gid), its source row, a transposed
-    store. Padding positions (past their expert's rows, or past the last expert) read zeros. ``BLOCK_EXPERT``: the
-    padded ends are multiples of BLOCK_P, so the block is one expert's: its ends and scales are read once, not
-    gathered per position."""
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
-    pmask, cmask = p < P, cols < X
+def expert_rows(p0, p, pmask, gid_ptr, offs_ptr, poffs_ptr, BLOCK_EXPERT: tl.constexpr):
+    """``(expert, its first row, its end row, its first padded position)`` of the padded positions ``p`` (``p0``
+    the block's first): per position, or with ``BLOCK_EXPERT`` (the block is one expert's) once, as scalars."""
     if BLOCK_EXPERT:
-        g = tl.load(gid_ptr + tl.program_id(0) * BLOCK_P)
+        g = tl.load(gid_ptr + p0)
         start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
         end = tl.load(offs_ptr + g)
         pstart = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
-        # padding rows are zeros times their expert's scale, as in the torch layout
-        s = tl.load(scale_ptr + g.to(tl.int64) * X + cols, mask=cmask, other=1.0)[None, :]
     else:
         g = tl.load(gid_ptr + p, mask=pmask, other=0)
         first = pmask & (g > 0)
         start = tl.load(offs_ptr + g - 1, mask=first, other=0)
         end = tl.load(offs_ptr + g, mask=pmask, other=0)
         pstart = tl.load(poffs_ptr + g - 1, mask=first, other=0)
+    return g, start, end, pstart
+
+
+@triton.jit
+def _quant_t_kernel(x_ptr, scale_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, P, X, Q_STRIDE, FMAX: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_EXPERT: tl.constexpr = False):
+    """BLOCK_P padded positions x BLOCK_X columns: each position's expert (gid), its source row, a transposed
+    store. Padding positions (past their expert's rows, or past the last expert) read zeros. ``BLOCK_EXPERT``: the
+    padded ends are multiples of BLOCK_P, so the block is one expert's: its ends and scales are read once, not
+    gathered per position."""
+    p0 = tl.program_id(0) * BLOCK_P
+    p = p0 + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+    pmask, cmask = p < P, cols < X
+    g, start, end, pstart = expert_rows(p0, p, pmask, gid_ptr, offs_ptr, poffs_ptr, BLOCK_EXPERT)
+    if BLOCK_EXPERT:  # padding rows are zeros times their expert's scale, as in the torch layout
+        s = tl.load(scale_ptr + g.to(tl.int64) * X + cols, mask=cmask, other=1.0)[None, :]
+    else:
         s = tl.load(scale_ptr + g.to(tl.int64)[:, None] * X + cols[None, :], mask=pmask[:, None] & cmask[None, :],
                     other=1.0)
     src = start + (p - pstart)

@@ -49,6 +49,38 @@ def test_without_the_kernels_it_is_the_plain_swiglu_and_nothing_is_attached():
     assert "_act" not in experts.act.__dict__ and s1.handoff is None and s2.handoff is None
 
 
+def test_the_rows_weights_reach_fc1_before_it_runs_and_a_premade_copy_is_taken_once():
+    """``GroupedExperts`` tells its activation the rows' weights before fc1 (``SwiGLUActivation.prepare``: nothing by
+    default); under the per-expert GEMMs ``fp8_swiglu.prepare`` keeps them for fc1's epilogue only where the SwiGLU
+    will take its copies (grad mode on, fc2's weight trained). fc1's copies are taken by the SwiGLU for its very h,
+    once; the SwiGLU drops them for any other h."""
+    from lightning_moe.modules import fp8_swiglu as fs
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, 32, 64)
+    seen = []
+    experts.act.prepare = lambda p: seen.append(p)
+    x, p = torch.randn(6, 32), torch.rand(6)
+    experts(x, torch.tensor([2, 4]), probs_M=p)
+    assert len(seen) == 1 and seen[0] is p
+    del experts.act.prepare
+    experts.act.prepare(p)  # the default: nothing
+    w2 = torch.nn.Parameter(torch.randn(2, 8, 4))
+    hand = Handoff(both=(None, None, w2))
+    fs.prepare(p, hand)
+    assert hand.probs[0] is p
+    with torch.no_grad():
+        fs.prepare(p, hand)
+    assert hand.probs is None  # validation: the SwiGLU takes no copies
+    w2.requires_grad_(False)
+    fs.prepare(None, hand)
+    assert hand.probs is None  # fc2's weight frozen: no wgrad, no copies
+    h = torch.randn(6, 16)
+    hand.put("premade", h, (p, ("q", "qT", "inv_M", "inv_L"), "amax"))
+    hand.rows = None
+    fp8_swiglu(h.clone(), p, hand)  # another h: the copies are dropped, the SwiGLU is plain
+    assert hand.premade is None
+
+
 def test_the_permutes_quantize_only_where_their_rows_are_the_experts_own():
     """The dispatcher hands its ``fp8_rows`` to the permutes only on one rank, where the experts mask no tail (a masked
     tail makes new tensors), autocast does not cast x, and no FP8 dispatch rounds the rows; without the kernels (no

@@ -258,6 +258,48 @@ def test_gluon_ws_gemm_fits_without_spills(tmp_path, config):
     assert " 0 bytes spill stores" in res, res
 
 
+@nvidia
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gluon_fc1_swiglu_fits(tmp_path, weighted):
+    """``gluon_fp8_fc1_swiglu`` (fc1's warp-specialized GEMM with the SwiGLU's FP8 copies in its epilogue), weighted
+    and not, with 128 experts' offsets: within Hopper's shared memory, without spills (the epilogue's first version
+    spilled: it kept a whole tile's values across its steps)."""
+    import re
+    import subprocess
+    fk = pytest.importorskip("lightning_moe.modules.gluon_fp8_fc1_swiglu")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("this triton ships no ptxas")
+    la = gl.NVMMASharedLayout.get_default_for([128, fk.BLOCK_K], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([fk.HALF, fk.BLOCK_K], gl.float8e4nv)
+    lc = gl.NVMMASharedLayout.get_default_for([128, fk.HALF], gl.bfloat16)
+    lq = gl.NVMMASharedLayout.get_default_for([128, fk.HALF], gl.float8e4nv)
+    lqt = gl.NVMMASharedLayout.get_default_for([fk.HALF, 128], gl.float8e4nv)
+    sig = {"a_desc": f"tensordesc<fp8e4nv[128, {fk.BLOCK_K}],{la!r}>", "sa_ptr": "*fp32",
+           "b_desc": f"tensordesc<fp8e4nv[{fk.HALF}, {fk.BLOCK_K}],{lb!r}>", "sb_ptr": "*fp32",
+           "c_desc": f"tensordesc<bf16[128, {fk.HALF}],{lc!r}>",
+           "q_desc": f"tensordesc<fp8e4nv[128, {fk.HALF}],{lq!r}>",
+           "qt_desc": f"tensordesc<fp8e4nv[{fk.HALF}, 128],{lqt!r}>", "h_ptr": "*bf16", "offs_ptr": "*i32",
+           "p_ptr": "*fp32", "hist_ptr": "*fp32", "q_ptr": "*fp8e4nv", "amax_ptr": "*i32", "inv_m_ptr": "*fp32",
+           "inv_l_ptr": "*fp32", "F": "i32", "K": "i32", "L": "i32", "TILES": "i32", "H": "i32"}
+    const = {"FMAX": 448.0, "TINY": 1e-12, "HAS_P": weighted, "BLOCK_L": 128, "BLOCK_H": 32, "GROUP_M": 8,
+             "STAGES": fk.NARROW_CONFIG[3], "WORKER_REGS": fk.WORKER_REGS, "num_warps": 4}
+    sig.update({k: "constexpr" for k in const})
+    names = fk._kernel.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "h_ptr", "offs_ptr",
+                                                                    "q_ptr", "F", "K")}
+    compiled = triton.compile(GluonASTSource(fk._kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": const["STAGES"], "maxnreg": fk.MAXNREG})
+    assert compiled.metadata.shared <= 232448
+    (tmp_path / "k.ptx").write_text(compiled.asm["ptx"])
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    assert int(re.search(r"(\d+) bytes spill stores", res).group(1)) == 0, res
+
+
 def test_gluon_ws_gemm_config_choice():
     """Two consumers with shifted cut tiles at up to 1,024 rows per expert (Qwen3's block and micro-batches); one
     consumer of 128 x 256 tiles at more (Mixtral's)."""
