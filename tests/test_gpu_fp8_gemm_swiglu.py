@@ -44,15 +44,17 @@ def test_fc1_swiglu_gives_the_gemm_and_the_swiglu_pass_bits(counts, tail, F, K, 
     assert amax.min() >= 0 and (amax[torch.tensor(counts, device="cuda") == 0] == 0).all()
 
 
-def _train(fc1: bool, monkeypatch, real, calls: list):
+def _train(fc1: bool, monkeypatch, real, real_pass, calls: list):
     """Four delayed FP8 steps of the tiny MoE (bf16 weights): the losses and the second step's gradients (the
     epilogue runs from the second step on: the first use of fc2's input history takes an amax pass)."""
     from lightning_moe import FP8Training
     from lightning_moe.modules import fp8_grouped_both as both
     from lightning_moe.modules import gluon_fp8_fc1_swiglu as fk
+    from lightning_moe.modules import triton_fp8_both as tb
     from tests.test_gpu_fp8 import _model
     monkeypatch.setattr(both, "FC1_SWIGLU", fc1)
-    monkeypatch.setattr(fk, "fc1_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fk, "fc1_swiglu", lambda *a, **k: calls.append("fc1") or real(*a, **k))
+    monkeypatch.setattr(tb, "swiglu_both", lambda *a, **k: calls.append("pass") or real_pass(*a, **k))
     torch.manual_seed(1)
     lm = _model(FP8Training("delayed", fp8_format="e4m3", fast_accum="all"))
     lm.model.bfloat16()
@@ -75,13 +77,15 @@ def _train(fc1: bool, monkeypatch, real, calls: list):
 def test_delayed_training_bit_identical_with_the_swiglu_in_fc1s_epilogue(monkeypatch):
     """The epilogue gives the separate SwiGLU pass's bits, so training is bit-identical: four losses and every
     gradient of the second step (the router's probabilities weigh the SwiGLU). It runs in steps 2-4 of the MoE
-    layer."""
+    layer, and the SwiGLU takes its copies (no separate pass then)."""
     from lightning_moe.modules import gluon_fp8_fc1_swiglu as fk
-    real = fk.fc1_swiglu
+    from lightning_moe.modules import triton_fp8_both as tb
+    real, real_pass = fk.fc1_swiglu, tb.swiglu_both
     on_calls, off_calls = [], []
-    off = _train(False, monkeypatch, real, off_calls)
-    on = _train(True, monkeypatch, real, on_calls)
-    assert len(on_calls) == 3 and not off_calls
+    off = _train(False, monkeypatch, real, real_pass, off_calls)
+    on = _train(True, monkeypatch, real, real_pass, on_calls)
+    # the copies are taken: the separate pass runs only at the history's first use
+    assert on_calls == ["pass", "fc1", "fc1", "fc1"] and off_calls == ["pass"] * 4
     assert on[0] == off[0]
     for name, g in off[1].items():
         assert torch.equal(on[1][name], g), name

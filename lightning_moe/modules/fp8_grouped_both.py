@@ -116,7 +116,10 @@ def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, sp
     # both copies made once, the dgrad's kept for backward even uncached (a delayed history pushes once)
     wq_LNK, wt_LKN, w_inv_LN, w_inv_LK = spec.cached_weight("w_both_per_expert", w_LKN,
                                                             lambda: _weights(w_LKN, spec, col, row))
-    epi = _fc1_swiglu(spec, hand, probs, x_MK, M, K, N, L, layout) if probs is not None else None
+    # the SwiGLU takes fc1's copies only where h or p needs a gradient (_fp8_swiglu_both)
+    grad = x_MK.requires_grad or w_LKN.requires_grad or (probs is not None and probs[0] is not None
+                                                         and probs[0].requires_grad)
+    epi = _fc1_swiglu(spec, hand, probs, x_MK, M, K, N, L, layout) if probs is not None and grad else None
     if epi is not None:  # the SwiGLU's FP8 copies made in fc1's epilogue, for the SwiGLU to take (fp8_swiglu)
         fk, amax_HL = epi
         y, *a_copies, amax_L = fk.fc1_swiglu(xq, wq_LNK, x_inv_M, w_inv_LN, offs, probs[0], amax_HL, layout[1],
