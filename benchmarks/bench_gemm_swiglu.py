@@ -34,6 +34,10 @@ def main() -> None:
     records = []
     for name in args.shapes.split(","):
         E, M, D, F = SHAPES[name]
+        if not fk.fits(M, D, F, E):  # coarse experts: the epilogue is not used there
+            log(f"{name}: fc1_swiglu does not take M={M} over {E} experts (F={F})")
+            records.append({"shape": name, "fits": False})
+            continue
         p = torch.rand(M, device=dev)
         hist = torch.rand(16, E, device=dev) * 4 + 1
         for routing, counts in routings(E, M).items():
