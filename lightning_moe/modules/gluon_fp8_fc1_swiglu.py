@@ -32,7 +32,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 import triton.language as tl
 
 from lightning_moe.modules.fp8 import FORMATS, _TINY
-from lightning_moe.modules.gluon_fp8_grouped_ws import BLOCK_K, NARROW_CONFIG, NARROW_ROWS, _tile, narrow
+from lightning_moe.modules.gluon_fp8_grouped_ws import (BLOCK_K, NARROW_CONFIG, NARROW_ROWS, _experts, _order,
+                                                       _place, narrow)
 from lightning_moe.modules.gluon_fp8_wgrad import (MAXNREG, WORKER_REGS, _mainloop, _split_n, barriers, shared_layout,
                                                    sm_count)
 from lightning_moe.modules.triton_fp8_grouped_mm import check_operands
@@ -63,9 +64,11 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, F, K, L, TILES
     """One warp: each live tile's K blocks into the stages, B's two halves from the gate's and up's rows of w13."""
     nk = gl.cdiv(K, _BK)
     it = 0
+    ends, cum, live_tiles = _experts(offs_ptr, L, _BM, BLOCK_L, 1)
     for i in range(gl.program_id(0), TILES * gl.cdiv(F, _HALF), gl.num_programs(0)):
-        live, e, row0, end, pn = _tile(i, offs_ptr, F, L, TILES, _BM, _HALF, BLOCK_L, GROUP_M, 1, 0)
-        if live:
+        t, pn = _order(i, F, TILES, _HALF, GROUP_M)
+        if t < live_tiles:
+            e, row0, end = _place(t, ends, cum, _BM, BLOCK_L, 1, 0)
             for kb in range(nk):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
@@ -77,15 +80,6 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, F, K, L, TILES
                 tma.async_copy_global_to_shared(b_desc, [e * 2 * F + F + pn * _HALF, kb * _BK], ready.index(s),
                                                 b.slice(_HALF, _HALF))
                 it += 1
-
-
-@gluon.jit
-def _row_tile(i, F, TILES, GROUP_M: gl.constexpr):
-    """The row tile of schedule entry ``i`` (``gluon_fp8_grouped_ws._tile``'s order): its 128 padded positions start
-    at 128 times it, since an expert's padded rows are its row tiles (the wgrad's alignment is the tile's height)."""
-    width = GROUP_M * gl.cdiv(F, _HALF)
-    first = (i // width) * GROUP_M
-    return first + (i % width) % gl.minimum(TILES - first, GROUP_M)
 
 
 @gluon.jit
@@ -169,18 +163,21 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, q_smem, qt_sme
     j = 0
     n = 0
     g_buf, u_buf = c_smem.index(2 * C), c_smem.index(2 * C + 1)
+    ends, cum, live_tiles = _experts(offs_ptr, L, _BM, BLOCK_L, WARPS)
     for i in range(gl.program_id(0), TILES * gl.cdiv(F, _HALF), gl.num_programs(0)):
-        live, e, row0, end, pn = _tile(i, offs_ptr, F, L, TILES, _BM, _HALF, BLOCK_L, GROUP_M, WARPS, 0)
-        if live:
+        t, pn = _order(i, F, TILES, _HALF, GROUP_M)
+        if t < live_tiles:
             if j % 2 == C:
-                acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, 128, 128, STAGES, 2, C, mma)
-                n += 1
+                e, row0, end = _place(t, ends, cum, _BM, BLOCK_L, WARPS, 0)
                 rm = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
                 jn = gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
                 rn = gl.where(jn < _HALF, pn * _HALF + jn, F + pn * _HALF + jn - _HALF)  # gate's columns, then up's
                 rows = rm < end
+                # the scales before the main loop: their loads' latency under the MMAs
                 sa = gl.load(sa_ptr + rm, mask=rows, other=0.0)
                 sb = gl.load(sb_ptr + e.to(gl.int64) * 2 * F + rn)
+                acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, 128, 128, STAGES, 2, C, mma)
+                n += 1
                 res = (acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)).to(gl.bfloat16)
                 gate, up = _split_n(res, 2)
                 tma.store_wait(0)  # the last tile's stores are done with both buffers
@@ -192,9 +189,11 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, q_smem, qt_sme
                     # its end belong to the next expert)
                     tma.async_copy_shared_to_global(c_desc, [row0, pn * _HALF], g_buf)
                     tma.async_copy_shared_to_global(c_desc, [row0, F + pn * _HALF], u_buf)
-                _swiglu_out(g_buf, u_buf, q_smem.index(C), qt_smem.index(C), q_desc, qt_desc, whole, e,
-                            _row_tile(i, F, TILES, GROUP_M), row0, end, pn, F, L, H, h_ptr, p_ptr, hist_ptr, q_ptr,
-                            amax_ptr, inv_m_ptr, inv_l_ptr, FMAX, TINY, HAS_P, BLOCK_H, WARPS)
+                # row tile t's 128 padded positions start at 128 t: an expert's padded rows are its row tiles (the
+                # wgrad's alignment is the tile's height)
+                _swiglu_out(g_buf, u_buf, q_smem.index(C), qt_smem.index(C), q_desc, qt_desc, whole, e, t, row0, end,
+                            pn, F, L, H, h_ptr, p_ptr, hist_ptr, q_ptr, amax_ptr, inv_m_ptr, inv_l_ptr, FMAX, TINY,
+                            HAS_P, BLOCK_H, WARPS)
             it += nk
             j += 1
     tma.store_wait(0)

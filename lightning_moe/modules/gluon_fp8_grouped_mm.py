@@ -123,5 +123,5 @@ def grouped_mm(a_MK: torch.Tensor, b_LNK: torch.Tensor, sa_M: torch.Tensor, sb_L
     tiles = triton.cdiv(M, bm) + L  # a static bound of the experts' row tiles
     launch(_kernel, (tiles * triton.cdiv(N, bn),), da, sa_M.float().contiguous(), db, sb_LN.float().contiguous(), out,
            offs_L.to(torch.int32).contiguous(), N, K, L, tiles, BLOCK_M=bm, BLOCK_N=bn,
-           BLOCK_L=max(16, triton.next_power_of_2(L)), GROUP_M=8, STAGES=stages, num_warps=warps)
+           BLOCK_L=max(32, triton.next_power_of_2(L)), GROUP_M=8, STAGES=stages, num_warps=warps)
     return out

@@ -37,33 +37,56 @@ _BK = gl.constexpr(BLOCK_K)
 
 
 @gluon.jit
-def _tile(i, offs_ptr, N, L, TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr,
-          GROUP_M: gl.constexpr, WARPS: gl.constexpr, SHIFT: gl.constexpr):
-    """Tile ``i`` of TILES x cdiv(N, BLOCK_N) in ``triton_fp8_grouped_mm``'s order: (live, expert, first row, the
-    expert's end, N tile); GROUP_M row tiles share each N tile, expert e owns the row tiles [cum[e] - tiles[e],
-    cum[e]) (from the offsets, on the device), and a tile past the schedule is not live. SHIFT: an expert's last
-    tile, cut by its end, moves up to end at it where the expert has BLOCK_M rows or more, so that it is whole (TMA
-    loads and stores); it recomputes rows of the tile before it, with the same bits."""
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    width = GROUP_M * tiles_n
-    first = (i // width) * GROUP_M
-    size = gl.minimum(TILES - first, GROUP_M)
-    t = first + (i % width) % size
-    pn = (i % width) // size
-    ls = gl.arange(0, BLOCK_L, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+def _experts(offs_ptr, L, BLOCK_M: gl.constexpr, BLOCK_L: gl.constexpr, WARPS: gl.constexpr):
+    """Once per program: the experts' row ends, the schedule's row tiles up to each expert's last (expert e owns the
+    row tiles [cum[e] - tiles[e], cum[e])) and the live row tiles' count. Every warp holds all of them (the layout
+    repeats over the warps; BLOCK_L >= 32), so a tile's lookup (``_place``) reduces within a warp. Why: looking each
+    tile up from memory put a load's latency (about a microsecond) twice per tile on the MMA warps' path, and once on
+    the loader's, against a main loop of 2.4 us at K = 768 (Qwen3's fc2)."""
+    ls = gl.arange(0, BLOCK_L, layout=gl.BlockedLayout([BLOCK_L // 32], [32], [WARPS], [0]))
     live = ls < L
     ends = gl.load(offs_ptr + ls, mask=live, other=0)
     starts = gl.load(offs_ptr + ls - 1, mask=live & (ls > 0), other=0)
     tiles = gl.where(live, gl.cdiv(ends - starts, BLOCK_M), 0)
     cum = gl.associative_scan(tiles, 0, _add)
-    e = gl.sum((cum <= t).to(gl.int32), 0)  # experts wholly before tile t (L or more: past the schedule)
-    mine = ls == e
-    end = gl.sum(gl.where(mine, ends, 0), 0)
-    start = gl.sum(gl.where(mine, starts, 0), 0)
-    row0 = start + (t - gl.sum(gl.where(mine, cum - tiles, 0), 0)) * BLOCK_M
+    return ends, cum, gl.sum(tiles, 0)
+
+
+@gluon.jit
+def _order(i, N, TILES, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Entry ``i`` of the schedule of TILES x cdiv(N, BLOCK_N) tiles in ``triton_fp8_grouped_mm``'s order: (row
+    tile, N tile); GROUP_M row tiles share each N tile. A row tile at or past ``_experts``'s count is not live."""
+    width = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first = (i // width) * GROUP_M
+    size = gl.minimum(TILES - first, GROUP_M)
+    return first + (i % width) % size, (i % width) // size
+
+
+@gluon.jit
+def _place(t, ends, cum, BLOCK_M: gl.constexpr, BLOCK_L: gl.constexpr, WARPS: gl.constexpr, SHIFT: gl.constexpr):
+    """Live row tile ``t``'s (expert, first row, the expert's end) from ``_experts``'s vectors. SHIFT: an expert's
+    last tile, cut by its end, moves up to end at it where the expert has BLOCK_M rows or more, so that it is whole
+    (TMA loads and stores); it recomputes rows of the tile before it, with the same bits."""
+    ls = gl.arange(0, BLOCK_L, layout=gl.BlockedLayout([BLOCK_L // 32], [32], [WARPS], [0]))
+    e = gl.sum((cum <= t).to(gl.int32), 0)  # experts wholly before tile t
+    end = gl.sum(gl.where(ls == e, ends, 0), 0)
+    start = gl.sum(gl.where(ls == e - 1, ends, 0), 0)
+    first = gl.sum(gl.where(ls == e, cum, 0), 0) - gl.cdiv(end - start, BLOCK_M)
+    row0 = start + (t - first) * BLOCK_M
     if SHIFT:
         row0 = gl.where(end - start >= BLOCK_M, gl.minimum(row0, end - BLOCK_M), row0)
-    return e < L, e, row0, end, pn
+    return e, row0, end
+
+
+@gluon.jit
+def _tile(i, offs_ptr, N, L, TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_L: gl.constexpr,
+          GROUP_M: gl.constexpr, WARPS: gl.constexpr, SHIFT: gl.constexpr):
+    """Schedule entry ``i``'s (live, expert, first row, the expert's end, N tile): ``_experts``, ``_order`` and
+    ``_place`` at once, for a kernel of one tile per program."""
+    ends, cum, live_tiles = _experts(offs_ptr, L, BLOCK_M, BLOCK_L, WARPS)
+    t, pn = _order(i, N, TILES, BLOCK_N, GROUP_M)
+    e, row0, end = _place(t, ends, cum, BLOCK_M, BLOCK_L, WARPS, SHIFT)
+    return t < live_tiles, e, row0, end, pn
 
 
 @gluon.jit
@@ -78,9 +101,11 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, N, K, L, TILES
     """One warp: the K blocks of this program's live tiles into the stages, as soon as a stage is free."""
     nk = gl.cdiv(K, _BK)
     it = 0
+    ends, cum, live_tiles = _experts(offs_ptr, L, BLOCK_M, BLOCK_L, 1)
     for i in range(gl.program_id(0), TILES * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
-        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, 1, SHIFT)
-        if live:
+        t, pn = _order(i, N, TILES, BLOCK_N, GROUP_M)
+        if t < live_tiles:
+            e, row0, end = _place(t, ends, cum, BLOCK_M, BLOCK_L, 1, SHIFT)
             for kb in range(nk):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
@@ -105,19 +130,21 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
     it = 0
     j = 0  # live tiles so far
     n = 0  # this consumer's
+    ends, cum, live_tiles = _experts(offs_ptr, L, BLOCK_M, BLOCK_L, WARPS)
     for i in range(gl.program_id(0), TILES * gl.cdiv(N, BLOCK_N), gl.num_programs(0)):
-        live, e, row0, end, pn = _tile(i, offs_ptr, N, L, TILES, BLOCK_M, BLOCK_N, BLOCK_L, GROUP_M, WARPS, SHIFT)
-        if live:
+        t, pn = _order(i, N, TILES, BLOCK_N, GROUP_M)
+        if t < live_tiles:
             if j % CONSUMERS == C:
-                acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, C,
-                                mma)
-                n += 1
-
+                e, row0, end = _place(t, ends, cum, BLOCK_M, BLOCK_L, WARPS, SHIFT)
                 rm = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
                 rn = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
                 rows, cols = rm < end, rn < N
+                # the scales before the main loop: their loads' latency under the MMAs, not after them
                 sa = gl.load(sa_ptr + rm, mask=rows, other=0.0)
                 sb = gl.load(sb_ptr + e.to(gl.int64) * N + rn, mask=cols, other=0.0)
+                acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, C,
+                                mma)
+                n += 1
                 res = (acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)).to(c_desc.dtype)
                 if row0 + BLOCK_M <= end:  # a whole tile of the expert's rows: TMA, which clips the columns at N
                     _store_tile(res, c_smem, c_desc, row0, pn * BLOCK_N, C)

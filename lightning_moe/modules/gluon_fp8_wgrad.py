@@ -39,6 +39,7 @@ T = 128  # tokens per block (the wgrad layout's alignment)
 CONFIG, NARROW_CONFIG, NARROW_TOKENS = (128, 256, 8, 4), (128, 128, 4, 5, 2), 1024
 MAXNREG = 168  # 12 warps (8 + the loader's warpgroup) x 32 x 168 fits the register file; the MMA warps get 240
 WORKER_REGS = 232  # two consumers of 4 warps (``config``'s fifth entry): the second's registers (the first gets 248)
+LOADER_REGS = gl.constexpr(32)  # the loader warp's registers (it holds the experts' ends: ``_ends``)
 _T = gl.constexpr(T)
 
 
@@ -67,9 +68,19 @@ def fits(K: int, N: int, out: torch.Tensor) -> bool:
 
 
 @gluon.jit
-def _tile(t, offs_ptr, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr):
+def _ends(offs_ptr, L, BLOCK_L: gl.constexpr, WARPS: gl.constexpr):
+    """Once per program: the experts' token ends, every warp holding all of them (the layout repeats over the warps;
+    BLOCK_L >= 32), so that a tile's bounds (``_tile``) reduce within a warp instead of loading: two loads' latency
+    per tile, on the MMA warps' path and the loader's, against a main loop of about 3 us at 1,024 tokens."""
+    ls = gl.arange(0, BLOCK_L, layout=gl.BlockedLayout([BLOCK_L // 32], [32], [WARPS], [0]))
+    return gl.load(offs_ptr + ls, mask=ls < L, other=0)
+
+
+@gluon.jit
+def _tile(t, ends, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr,
+          BLOCK_L: gl.constexpr, WARPS: gl.constexpr):
     """Tile ``t``: (expert, K tile, N tile, first token, 128-token blocks); GROUP_K K tiles in a row share each N
-    tile while it is in L2 (``triton_grouped_wgrad.grouped_tile``'s order)."""
+    tile while it is in L2 (``triton_grouped_wgrad.grouped_tile``'s order). ``ends``: ``_ends``'s."""
     tiles_k, tiles_n = gl.cdiv(K, BLOCK_K), gl.cdiv(N, BLOCK_N)
     per_e = tiles_k * tiles_n
     e = t // per_e
@@ -79,18 +90,20 @@ def _tile(t, offs_ptr, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP
     size = gl.minimum(tiles_k - first_k, GROUP_K)
     pk = first_k + (r % width) % size
     pn = (r % width) // size
-    start = gl.where(e > 0, gl.load(offs_ptr + gl.maximum(e - 1, 0)), 0)
-    nk = (gl.load(offs_ptr + e) - start) // _T
+    ls = gl.arange(0, BLOCK_L, layout=gl.BlockedLayout([BLOCK_L // 32], [32], [WARPS], [0]))
+    start = gl.sum(gl.where(ls == e - 1, ends, 0), 0)
+    nk = (gl.sum(gl.where(ls == e, ends, 0), 0) - start) // _T
     return e, pk, pn, start, nk
 
 
 @gluon.jit
-def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, K, N, tiles, BLOCK_K: gl.constexpr,
-          BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr):
+def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, K, N, L, tiles, BLOCK_K: gl.constexpr,
+          BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr, BLOCK_L: gl.constexpr):
     """One warp: every block of this program's tiles into the stages, as soon as a stage is free."""
     it = 0
+    ends = _ends(offs_ptr, L, BLOCK_L, 1)
     for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, pk, pn, start, nk = _tile(t, offs_ptr, K, N, BLOCK_K, BLOCK_N, GROUP_K)
+        e, pk, pn, start, nk = _tile(t, ends, K, N, BLOCK_K, BLOCK_N, GROUP_K, BLOCK_L, 1)
         for kb in range(nk):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
@@ -154,9 +167,9 @@ def _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_M: gl.conste
 
 
 @gluon.jit
-def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
+def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, L, tiles,
              BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMERS: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr):
+             CONSUMERS: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr, BLOCK_L: gl.constexpr):
     """MMA warps (consumer C of CONSUMERS, taking every CONSUMERS-th of the program's tiles): each tile's MMAs with
     one in flight (a stage is released once its MMA is done), then the scaled tile out through shared memory by TMA,
     the stores left in flight into the next tile. Two consumers alternate tiles: one's epilogue runs while the
@@ -168,16 +181,17 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
     it = 0  # the program's blocks before this tile (the stage ring's position)
     j = 0
     n = 0  # this consumer's tiles so far
+    ends = _ends(offs_ptr, L, BLOCK_L, WARPS)
     for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, pk, pn, start, nk = _tile(t, offs_ptr, K, N, BLOCK_K, BLOCK_N, GROUP_K)
+        e, pk, pn, start, nk = _tile(t, ends, K, N, BLOCK_K, BLOCK_N, GROUP_K, BLOCK_L, WARPS)
         if j % CONSUMERS == C:
-            acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_K, BLOCK_N, STAGES, CONSUMERS, C, mma)
-            n += 1
-
             rk = pk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, mma))
             rn = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            # the scales before the main loop: their loads' latency under the MMAs
             sa = gl.load(sa_ptr + e.to(gl.int64) * K + rk, mask=rk < K, other=0.0)
             sb = gl.load(sb_ptr + e.to(gl.int64) * N + rn, mask=rn < N, other=0.0)
+            acc = _mainloop(a_bufs, b_bufs, ready, empty, order, it, nk, n, BLOCK_K, BLOCK_N, STAGES, CONSUMERS, C, mma)
+            n += 1
             res = acc * gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
             res = gl.where(nk > 0, res, 0.0)  # an expert without tokens: zeros (its scales may be anything)
             _store_tile(res.to(c_desc.dtype), c_smem, c_desc, e * K + pk * BLOCK_K, pn * BLOCK_N, C)
@@ -188,15 +202,15 @@ def _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr
 
 @gluon.jit
 def _worker(a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N,
-            tiles,
-            BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr,
-            WARPS: gl.constexpr, ROLE: gl.constexpr):
+            L, tiles, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr,
+            WARPS: gl.constexpr, ROLE: gl.constexpr, BLOCK_L: gl.constexpr):
     """The worker partitions (one signature for all): the loader (ROLE 0) or the second consumer (ROLE 1)."""
     if ROLE == 0:
-        _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES)
+        _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, K, N, L, tiles, BLOCK_K, BLOCK_N, GROUP_K,
+              STAGES, BLOCK_L)
     else:
-        _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles, BLOCK_K,
-                 BLOCK_N, GROUP_K, STAGES, 2, 1, WARPS)
+        _consume(a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, L, tiles,
+                 BLOCK_K, BLOCK_N, GROUP_K, STAGES, 2, 1, WARPS, BLOCK_L)
 
 
 @gluon.jit
@@ -227,25 +241,25 @@ def barriers(STAGES: gl.constexpr):
 @gluon.jit
 def _kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, offs_ptr, K, N, L, BLOCK_K: gl.constexpr,
             BLOCK_N: gl.constexpr, GROUP_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-            WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+            WORKER_REGS: gl.constexpr, BLOCK_L: gl.constexpr, num_warps: gl.constexpr):
     tiles = L * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
     a_bufs, b_bufs, c_smem, ready, empty, order = _buffers(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
-                        BLOCK_K, BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, L, tiles,
+                        BLOCK_K, BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps, BLOCK_L)),
             (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr,
-                       K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
-        ], [1], [24])
+                       K, N, L, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0, BLOCK_L)),
+        ], [1], [LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, tiles,
-                        BLOCK_K, BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps)),
+            (_consume, (a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr, K, N, L, tiles,
+                        BLOCK_K, BLOCK_N, GROUP_K, STAGES, CONSUMERS, 0, num_warps, BLOCK_L)),
             (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr,
-                       K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 1)),
+                       K, N, L, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 1, BLOCK_L)),
             (_worker, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, order, c_smem, c_desc, sa_ptr, sb_ptr, offs_ptr,
-                       K, N, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0)),
-        ], [num_warps, 1], [WORKER_REGS, 24])
+                       K, N, L, tiles, BLOCK_K, BLOCK_N, GROUP_K, STAGES, num_warps, 0, BLOCK_L)),
+        ], [num_warps, 1], [WORKER_REGS, LOADER_REGS])
 
 
 def descriptors(aT, bT, out_LKN, bk: int, bn: int):
@@ -275,4 +289,5 @@ def wgrad(out_LKN: torch.Tensor, aT: torch.Tensor, sa: torch.Tensor, bT: torch.T
         programs = sm_count(torch.cuda._get_device_index(out_LKN.device, optional=True))
     launch(_kernel, (min(programs, tiles),), da, sa.float().contiguous(), db, sb.float().contiguous(), dc,
            offs_L.to(torch.int32).contiguous(), K, N, L, BLOCK_K=bk, BLOCK_N=bn, GROUP_K=8, STAGES=stages,
-           CONSUMERS=consumers, WORKER_REGS=WORKER_REGS, num_warps=warps, maxnreg=MAXNREG)
+           CONSUMERS=consumers, WORKER_REGS=WORKER_REGS, BLOCK_L=max(32, triton.next_power_of_2(L)), num_warps=warps,
+           maxnreg=MAXNREG)

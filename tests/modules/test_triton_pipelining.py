@@ -159,7 +159,7 @@ def test_gluon_precise_gemm_keeps_its_mmas_in_flight(tmp_path):
     sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {gm.BLOCK_K}],{la!r}>", "sa_ptr": "*fp32",
            "b_desc": f"tensordesc<fp8e4nv[{bn}, {gm.BLOCK_K}],{lb!r}>", "sb_ptr": "*fp32", "out_ptr": "*bf16",
            "offs_ptr": "*i32", "N": "i32", "K": "i32", "L": "i32", "TILES": "i32"}
-    const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_L": 16, "GROUP_M": 8, "STAGES": stages, "num_warps": warps}
+    const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_L": 32, "GROUP_M": 8, "STAGES": stages, "num_warps": warps}
     sig.update({k: "constexpr" for k in const})
     names = gm._kernel.arg_names
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "out_ptr", "offs_ptr", "N",
@@ -201,7 +201,7 @@ def test_gluon_wgrad_fits_and_keeps_one_mma_in_flight(tmp_path, which, out):
            "c_desc": f"tensordesc<{out}[{bk}, {split}],{lc!r}>", "offs_ptr": "*i32", "K": "i32", "N": "i32",
            "L": "i32"}
     const = {"BLOCK_K": bk, "BLOCK_N": bn, "GROUP_K": 8, "STAGES": stages, "CONSUMERS": rest[0] if rest else 1,
-             "WORKER_REGS": gw.WORKER_REGS, "num_warps": warps}
+             "WORKER_REGS": gw.WORKER_REGS, "BLOCK_L": 128, "num_warps": warps}
     sig.update({k: "constexpr" for k in const})
     names = gw._kernel.arg_names
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("sa_ptr", "sb_ptr", "offs_ptr", "K", "N")}
