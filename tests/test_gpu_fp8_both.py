@@ -205,3 +205,57 @@ def test_fp32_operands_take_the_separate_passes():
     if torch.cuda.get_device_capability() == (9, 0):
         assert fp8_grouped_both.kernels(spec, x.bfloat16()) is not None
         assert fp8_linear_both.kernels(spec, x.bfloat16()) is not None
+
+
+@hopper
+@pytest.mark.parametrize("counts", [[256] * 8, [300, 0, 700, 260, 512, 100, 92, 84]])
+def test_a_recomputed_block_replays_its_first_pass_scales(counts):
+    """The experts' block under the delayed recipe on the one-pass kernels (the SwiGLU's copies from fc1's epilogue
+    where it runs), recomputed as ``Recompute(["moe"])`` does (non-reentrant checkpoint with its replay contexts):
+    over three steps, the output, every gradient and every amax history equal the block run without recomputation
+    bit for bit. The replay scales by the rings its first pass read and pushes nothing; before, it scaled by rings
+    its own first pass had advanced, and pushed twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe.callbacks.recompute import _contexts
+    from lightning_moe.modules import fp8_swiglu as fs
+    from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
+    from lightning_moe.modules.fp8_linear import FP8Spec
+    E, D, F = len(counts), 256, 128
+    M = sum(counts)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    g = torch.Generator("cuda").manual_seed(0)
+    x0 = torch.randn(M, D, device="cuda", generator=g).bfloat16()
+    p0 = torch.rand(M, device="cuda", generator=g)
+    w13_0 = (torch.randn(E, D, 2 * F, device="cuda", generator=g) * 0.05).bfloat16()
+    w2_0 = (torch.randn(E, F, D, device="cuda", generator=g) * 0.05).bfloat16()
+    dys = [torch.randn(M, D, device="cuda", generator=g).bfloat16() for _ in range(3)]
+
+    def run(recompute: bool):
+        x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        w13, w2 = w13_0.clone().requires_grad_(), w2_0.clone().requires_grad_()
+        s1, s2 = (FP8Spec("delayed", fp8_format="e4m3", fast_accum="all") for _ in range(2))
+        hand = fs.Handoff(both=(s1, s2, w2))
+        s1.handoff, s2.handoff = (hand, "fc1"), (hand, "fc2")
+
+        def block(x_MD, p_M):
+            fs.prepare(p_M, hand)
+            h = fp8_grouped_mm(x_MD, w13, offs, s1)
+            return fp8_grouped_mm(fs.fp8_swiglu(h, p_M, hand), w2, offs, s2)
+
+        out = []
+        for dy in dys:
+            for t in (x, p, w13, w2):
+                t.grad = None
+            y = checkpoint(block, x, p, use_reentrant=False, context_fn=_contexts) if recompute else block(x, p)
+            y.backward(dy)
+            out.append([y.detach()] + [t.grad for t in (x, p, w13, w2)])
+        rings = {(i, n): h.past.clone() for i, s in enumerate((s1, s2)) for n, h in s.histories.items()
+                 if h.past is not None}
+        return out, rings
+
+    (plain, rings0), (recomputed, rings1) = run(False), run(True)
+    for a, b in zip(plain, recomputed):
+        assert all(torch.equal(u[:M], v[:M]) for u, v in zip(a, b))
+    assert rings0.keys() == rings1.keys() and len(rings0) >= 4
+    assert all(torch.equal(rings0[k], rings1[k]) for k in rings0)

@@ -36,7 +36,8 @@ MODULES = REBUILT + CHECKPOINTED
 
 
 def _contexts():
-    return replay.first_pass(), replay.replay()
+    kept = {}  # this invocation's: what its first pass keeps for its replay (FP8 delayed scales)
+    return replay.first_pass(kept), replay.replay(kept)
 
 
 def parse_modules(modules, valid: Sequence[str], what: str) -> list[str]:

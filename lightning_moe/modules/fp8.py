@@ -175,10 +175,49 @@ def fp8_mm(a_MK: torch.Tensor, b_NK: Optional[torch.Tensor], ta: Tiling, tb: Til
     return (dequantize(qa, sa, ta) @ dequantize(qb, sb, tb).t()).to(out_dtype)
 
 
-class AmaxHistory:
+class Recomputed:
+    """Delayed scaling under recomputation (``modules/replay.py``): what a history gave the first pass of a region
+    that will be replayed, in order, so that the replay scales by the same amaxes and pushes nothing (Transformer
+    Engine restores its scales for a recomputation likewise). Without it the replay scaled by a history its own first
+    pass had advanced, and pushed again. Entries ("ring", a copy of the ring the one-pass kernels read; "used", the
+    amax the others scaled by) live in the region invocation's store, freed with it."""
+
+    def _entries(self) -> Optional[list]:
+        from lightning_moe.modules import replay
+        kept = replay.store()
+        return None if kept is None else kept.setdefault(id(self), [])
+
+    def _ring_of(self, ring: Optional[torch.Tensor]) -> Optional[tuple]:
+        """``(ring, push)`` for the one-pass kernels (they scale by the ring's max and record the amax they find,
+        ``push`` after where true), or None on the history's first use (then the amax comes first: ``_used_of``)."""
+        from lightning_moe.modules import replay
+        entries = self._entries()
+        if replay.replaying() and entries:
+            if entries[0][0] == "used":
+                return None  # its first pass was the history's first use: so is the replay
+            return entries.pop(0)[1], False
+        if ring is None:
+            return None
+        if replay.recorded() and entries is not None:
+            entries.append(("ring", ring.clone()))  # the ring as the kernel reads it: later pushes write it in place
+        return ring, True
+
+    def _used_of(self, compute) -> torch.Tensor:
+        """The amax to scale by, ``compute()`` (which pushes the current one) unless this is a replay."""
+        from lightning_moe.modules import replay
+        entries = self._entries()
+        if replay.replaying() and entries and entries[0][0] == "used":
+            return entries.pop(0)[1]
+        used = compute()
+        if replay.recorded() and entries is not None:
+            entries.append(("used", used))
+        return used
+
+
+class AmaxHistory(Recomputed):
     """Delayed scaling's memory of one operand: the last ``length`` amaxes; the scale of a step comes from their
     max (the current amax enters the history after use, as in Transformer Engine). Kept on the device: no sync. A ring
-    written in place (``push``: one copy), which the one-pass kernels read whole (``fp8_linear_both``)."""
+    written in place (``push``: one copy), which the one-pass kernels read whole (``ring``, ``fp8_linear_both``)."""
 
     def __init__(self, length: int = 16):
         if length < 1:
@@ -187,6 +226,9 @@ class AmaxHistory:
 
     def amax(self, x: torch.Tensor) -> torch.Tensor:
         """The amax to scale ``x`` with (its own the first time), recording its current one."""
+        return self._used_of(lambda: self._amax(x))
+
+    def _amax(self, x: torch.Tensor) -> torch.Tensor:
         current = x.detach().abs().amax().float().reshape(1)
         if self.history is None:  # never an inference tensor: later pushes write it in place, maybe outside
             with torch.inference_mode(False), torch.no_grad():
@@ -194,6 +236,10 @@ class AmaxHistory:
         used = self.history.amax()
         self.push(current)
         return used
+
+    def ring(self) -> Optional[tuple]:
+        """``(the ring, push)`` for the one-pass kernels, or None on first use (``Recomputed._ring_of``)."""
+        return self._ring_of(self.history)
 
     def push(self, current: torch.Tensor) -> None:
         self.history[self.pushed % self.length].copy_(current.reshape(()))

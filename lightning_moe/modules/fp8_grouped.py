@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_moe.modules.fp8 import BLOCK, FORMATS, Tiling, abs_amax, saturate, scale_of, tiling
+from lightning_moe.modules.fp8 import BLOCK, FORMATS, Recomputed, Tiling, abs_amax, saturate, scale_of, tiling
 from lightning_moe.modules.fp8_linear import FP8Spec
 
 
@@ -58,16 +58,19 @@ def history(spec: FP8Spec, name: str) -> "_History":
     return spec.histories.setdefault(name, _History(spec.history))
 
 
-class _History:
+class _History(Recomputed):
     """Delayed scaling for per-expert amaxes: the max over the last ``length`` uses, elementwise; the current amax
-    enters after use (``update``; or the kernels scale by the max of ``past`` and record the amax they find in the
-    same pass, ``push`` after). ``past`` is a ring of the last ``length`` amaxes (the first fills it), written in
-    place: one copy per use."""
+    enters after use (``update``; or the kernels scale by the max of the ring and record the amax they find in the
+    same pass, ``push`` after: ``ring``). ``past`` is a ring of the last ``length`` amaxes (the first fills it),
+    written in place: one copy per use. A recomputation's replay scales as its first pass did (``Recomputed``)."""
 
     def __init__(self, length: int):
         self.length, self.past, self.pushed = length, None, 0
 
     def update(self, current: torch.Tensor) -> torch.Tensor:
+        return self._used_of(lambda: self._update(current))
+
+    def _update(self, current: torch.Tensor) -> torch.Tensor:
         if self.past is None:  # never an inference tensor: later pushes write it in place, maybe outside
             with torch.inference_mode(False), torch.no_grad():
                 self.past = current.unsqueeze(0).repeat(self.length, *([1] * current.ndim))
@@ -75,9 +78,9 @@ class _History:
         self.push(current)
         return used
 
-    def used(self) -> Optional[torch.Tensor]:
-        """The amax to scale by before the current one is known; None on first use (then ``update``)."""
-        return None if self.past is None else self.past.amax(0)
+    def ring(self) -> Optional[tuple]:
+        """``(the ring (H, L), push)`` for the one-pass kernels, or None on first use (``Recomputed._ring_of``)."""
+        return self._ring_of(self.past)
 
     def push(self, current: torch.Tensor) -> None:
         self.past[self.pushed % self.length].copy_(current)

@@ -10,7 +10,8 @@ and under tensorwise (current) scaling, the amax comes first from a pass of its 
 separate passes (``fp8_grouped_kernels``' other path, with the same scales). Forwards without a backward
 (validation) take this path too: one weight copy and one push per operand, as in training. The wgrad's x^T has x's
 scale (one history, ``x``, as Transformer Engine's), where the emulation also keeps ``x_t``, pushed in backward only:
-the two differ where a forward runs without its backward (validation) or twice (recomputation).
+the two differ where a forward runs without its backward (validation). A recomputation's replay scales as its first
+pass did and pushes nothing (``fp8.Recomputed``).
 
 Shapes: M routed rows (sorted by expert), K input features, N output features, L local experts, P padded rows.
 """
@@ -47,13 +48,16 @@ def kernels(spec: FP8Spec, t: torch.Tensor):
     return load("triton_fp8_both", t)
 
 
-def amaxes(spec: FP8Spec, name: str, x_MX: torch.Tensor, offs: torch.Tensor, split: bool) -> tuple:
+def amaxes(spec: FP8Spec, name: str, x_MX, offs: torch.Tensor, split: bool) -> tuple:
     """``(amax_HL, push)``: the amaxes operand ``name``'s per-expert scale is the max of (delayed scaling: its
-    history's ring), and whether the pass's current amax must still enter the history. Otherwise (tensorwise; a
-    history's first use) the current amax from a pass of its own, reduced over the ranks as ``fp8_grouped.rows_amax``
-    does, as (1, L)."""
-    if spec.recipe == "delayed" and history(spec, name).past is not None:
-        return history(spec, name).past, True
+    history's ring), and whether the pass's current amax must still enter the history (not in a recomputation's
+    replay, which gets its first pass's ring). Otherwise (tensorwise; a history's first use) the current amax from a
+    pass of its own over ``x_MX`` (or what it returns, where callable), reduced over the ranks as
+    ``fp8_grouped.rows_amax`` does, as (1, L)."""
+    ring = history(spec, name).ring() if spec.recipe == "delayed" else None
+    if ring is not None:
+        return ring
+    x_MX = x_MX() if callable(x_MX) else x_MX
     amax_L = _segment_amax(abs_amax(x_MX.detach(), 1).squeeze(1), offs)
     return _reduced(amax_L, spec, name, split, tokens=True).reshape(1, -1), False
 
@@ -121,10 +125,10 @@ def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, sp
                                                          and probs[0].requires_grad)
     epi = _fc1_swiglu(spec, hand, probs, x_MK, M, K, N, L, layout) if probs is not None and grad else None
     if epi is not None:  # the SwiGLU's FP8 copies made in fc1's epilogue, for the SwiGLU to take (fp8_swiglu)
-        fk, amax_HL = epi
+        fk, (amax_HL, push) = epi
         y, *a_copies, amax_L = fk.fc1_swiglu(xq, wq_LNK, x_inv_M, w_inv_LN, offs, probs[0], amax_HL, layout[1],
                                              spec.formats()[0])
-        hand.put("premade", y, (probs[0], tuple(a_copies), amax_L))
+        hand.put("premade", y, (probs[0], tuple(a_copies), amax_L, push))
     else:
         y = gk._rows_gemm(xq, wq_LNK.transpose(1, 2), x_inv_M, w_inv_LN, offs, spec.fast("fprop"))
     ctx.save_for_backward(xT, x_inv_L, w_LKN, offs)
@@ -135,22 +139,22 @@ def forward(ctx, x_MK: torch.Tensor, w_LKN: torch.Tensor, offs: torch.Tensor, sp
 
 def _fc1_swiglu(spec: FP8Spec, hand, probs: tuple, x_MK: torch.Tensor, M: int, K: int, N: int, L: int,
                 layout: tuple):
-    """``(gluon_fp8_fc1_swiglu, the amaxes a's delayed scale is the max of)`` where fc1's forward makes the SwiGLU's
-    FP8 copies in its epilogue: the SwiGLU asked for them before fc1 (``fp8_swiglu.prepare``), fc2's input history
-    holds a past amax (a first use takes the current one, from a pass of its own), bf16 h, and fc1's GEMM would be
-    the warp-specialized one the kernel extends (fast accumulation, fine-grained experts), the wgrad's rows padded
-    to its 128-row tiles; else None."""
+    """``(gluon_fp8_fc1_swiglu, (the amaxes a's delayed scale is the max of, whether a's amax must enter the
+    history))`` where fc1's forward makes the SwiGLU's FP8 copies in its epilogue: the SwiGLU asked for them before
+    fc1 (``fp8_swiglu.prepare``), fc2's input history holds a past amax (a first use takes the current one, from a
+    pass of its own), bf16 h, and fc1's GEMM would be the warp-specialized one the kernel extends (fast
+    accumulation, fine-grained experts), the wgrad's rows padded to its 128-row tiles; else None."""
     from lightning_moe.modules import fp8_grouped_kernels as gk
     spec2 = hand.both[1]
     if (not FC1_SWIGLU or not x_MK.is_cuda or interpreting() or x_MK.dtype != torch.bfloat16
             or not spec.fast("fprop") or not gk.TRITON_GEMM or not (gk.GLUON_WS_GEMM or gk.GLUON_WS_NARROW)
-            or spec2.recipe != "delayed" or history(spec2, "x").past is None or hand.both[2].shape[1] * 2 != N
-            or layout[3] != 128):
+            or spec2.recipe != "delayed" or hand.both[2].shape[1] * 2 != N or layout[3] != 128):
         return None
     fk = load("gluon_fp8_fc1_swiglu", x_MK)
     if fk is None or not fk.fits(M, K, N // 2, L):
         return None
-    return fk, history(spec2, "x").past
+    ring = history(spec2, "x").ring()  # last: a recomputation's replay takes it in the order its first pass did
+    return (fk, ring) if ring is not None else None
 
 
 def backward(ctx, dy_MN: torch.Tensor) -> tuple:

@@ -7,8 +7,8 @@ come from one scale, cached once per optimizer step under FP8Training. The GEMMs
 separate passes' operands and scales, so the same bits; forwards without a backward (validation) take the same path,
 so that they share the weight copies and push the same histories. Delayed scaling's x^T is scaled by x's history, as
 Transformer Engine does; the emulation keeps an ``x_t`` history too, pushed in backward only, so the two differ where
-a forward runs without its backward (validation) or twice (recomputation). The wgrad's reduction over tokens is padded
-to a multiple of 128 with zero columns.
+a forward runs without its backward (validation); a recomputation's replay scales as its first pass did and pushes
+nothing (``fp8.Recomputed``). The wgrad's reduction over tokens is padded to a multiple of 128 with zero columns.
 
 Shapes: M tokens, K input features, N output features, P tokens padded.
 """
@@ -57,9 +57,10 @@ def _quantize(tb, spec: FP8Spec, name: str, x_MK: torch.Tensor) -> tuple:
     M = x_MK.shape[0]
     offs, poffs, gid_P, P = _layout(M, x_MK.device)
     hist = spec.histories.setdefault(name, AmaxHistory(spec.history)) if spec.recipe == "delayed" else None
-    push = hist is not None and hist.history is not None
-    if push:
-        amax_HL = hist.history.reshape(-1, 1)
+    ring = hist.ring() if hist is not None else None  # a recomputation's replay: its first pass's, no push
+    push = ring is not None and ring[1]
+    if ring is not None:
+        amax_HL = ring[0].reshape(-1, 1)
     else:
         amax = reduce_groups(x_MK.detach().abs().amax().float().reshape(1), spec, False, tokens=True)
         amax_HL = (hist.amax(amax) if hist is not None else amax).reshape(1, 1)

@@ -120,8 +120,9 @@ class _FP8SwiGLUBoth(torch.autograd.Function):
         from lightning_moe.modules.fp8_grouped_both import record
         spec2 = hand.both[1]
         if pre is not None and pre[0] is p_M:  # made by fc1's epilogue, with these weights
-            (q, qT, inv_M, inv_L), amax_L = pre[1:]
-            record(spec2, "x", amax_L, spec2.split == "in")
+            (q, qT, inv_M, inv_L), amax_L, push = pre[1:]
+            if push:  # not in a recomputation's replay
+                record(spec2, "x", amax_L, spec2.split == "in")
         else:
             amax_HL, push = _amaxes(spec2, "x", spec2.split == "in", offs_L,
                                     lambda: triton_swiglu.forward(h_M2F, p_M))
@@ -160,10 +161,8 @@ def _amaxes(spec, name: str, split: bool, offs_L, make) -> tuple:
     """``fp8_grouped_both.amaxes`` for operand ``name``, made by the fused pass: ``(amax_HL, push)``, ``push`` taking
     the pass's amax into the history (nothing to push on the history's first use, whose amax comes from ``make()``,
     the operand itself). The same kernels run either way: a recomputed forward saves what the first one saved."""
-    from lightning_moe.modules.fp8_grouped import history
     from lightning_moe.modules.fp8_grouped_both import amaxes, record
-    pending = history(spec, name).past is not None
-    amax_HL, push = amaxes(spec, name, None if pending else make(), offs_L, split)
+    amax_HL, push = amaxes(spec, name, make, offs_L, split)
     return amax_HL, (lambda amax_L: record(spec, name, amax_L, split)) if push else (lambda amax_L: None)
 
 

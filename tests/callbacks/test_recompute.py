@@ -38,10 +38,10 @@ class _Record(L.Callback):
             self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
-def _fit(tokens, root, model, modules=None, layers="all"):
+def _fit(tokens, root, model, modules=None, layers="all", extra=()):
     L.seed_everything(0, verbose=False)
     rec = _Record()
-    callbacks = [rec] + ([Recompute(modules, layers=layers)] if modules else [])
+    callbacks = [rec] + ([Recompute(modules, layers=layers)] if modules else []) + list(extra)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=callbacks, default_root_dir=root)
@@ -70,6 +70,20 @@ def test_recompute_is_bit_identical(tmp_path, tokens, model, settings):
         assert losses == ref[0], modules
         assert all(torch.equal(grads[k], v) for k, v in ref[1].items()), modules
         assert all(torch.equal(state[k], v) for k, v in ref[2].items()), modules  # weights, expert bias, counters
+
+
+@pytest.mark.parametrize("modules", [["moe"], ["full"], ["mlp", "shared_experts"]])
+def test_recompute_under_delayed_fp8_is_bit_identical(tmp_path, tokens, modules):
+    """FP8Training('delayed') (emulated on the CPU): a recomputed forward scales each operand by what its first pass
+    used and pushes nothing into the amax histories (as Transformer Engine restores its scales for a recomputation),
+    so training is bit-identical to no recomputation; the histories' first uses (step one) included. Without that the
+    replay scaled by a history its first pass had advanced, and pushed it again."""
+    from lightning_moe import FP8Training
+    ref = _fit(tokens, str(tmp_path), GQA, extra=[FP8Training("delayed")])
+    losses, grads, state = _fit(tokens, str(tmp_path), GQA, modules, extra=[FP8Training("delayed")])
+    assert losses == ref[0]
+    assert all(torch.equal(grads[k], v) for k, v in ref[1].items())
+    assert all(torch.equal(state[k], v) for k, v in ref[2].items())
 
 
 # ------------------------------------------------------------------------------------------------ memory

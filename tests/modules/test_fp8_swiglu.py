@@ -75,7 +75,7 @@ def test_the_rows_weights_reach_fc1_before_it_runs_and_a_premade_copy_is_taken_o
     fs.prepare(None, hand)
     assert hand.probs is None  # fc2's weight frozen: no wgrad, no copies
     h = torch.randn(6, 16)
-    hand.put("premade", h, (p, ("q", "qT", "inv_M", "inv_L"), "amax"))
+    hand.put("premade", h, (p, ("q", "qT", "inv_M", "inv_L"), "amax", True))
     hand.rows = None
     fp8_swiglu(h.clone(), p, hand)  # another h: the copies are dropped, the SwiGLU is plain
     assert hand.premade is None
