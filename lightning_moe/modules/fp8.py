@@ -182,34 +182,29 @@ class Recomputed:
     pass had advanced, and pushed again. Entries ("ring", a copy of the ring the one-pass kernels read; "used", the
     amax the others scaled by) live in the region invocation's store, freed with it."""
 
-    def _entries(self) -> Optional[list]:
-        from lightning_moe.modules import replay
-        kept = replay.store()
-        return None if kept is None else kept.setdefault(id(self), [])
-
     def _ring_of(self, ring: Optional[torch.Tensor]) -> Optional[tuple]:
         """``(ring, push)`` for the one-pass kernels (they scale by the ring's max and record the amax they find,
         ``push`` after where true), or None on the history's first use (then the amax comes first: ``_used_of``)."""
         from lightning_moe.modules import replay
-        entries = self._entries()
+        entries = replay.entries(self)
         if replay.replaying() and entries:
             if entries[0][0] == "used":
                 return None  # its first pass was the history's first use: so is the replay
             return entries.pop(0)[1], False
         if ring is None:
             return None
-        if replay.recorded() and entries is not None:
+        if replay.recorded():
             entries.append(("ring", ring.clone()))  # the ring as the kernel reads it: later pushes write it in place
         return ring, True
 
     def _used_of(self, compute) -> torch.Tensor:
         """The amax to scale by, ``compute()`` (which pushes the current one) unless this is a replay."""
         from lightning_moe.modules import replay
-        entries = self._entries()
+        entries = replay.entries(self)
         if replay.replaying() and entries and entries[0][0] == "used":
             return entries.pop(0)[1]
         used = compute()
-        if replay.recorded() and entries is not None:
+        if replay.recorded():
             entries.append(("used", used))
         return used
 

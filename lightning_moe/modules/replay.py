@@ -32,6 +32,13 @@ def store() -> Optional[dict]:
     return getattr(_state, "store", None)
 
 
+def entries(owner: object) -> list:
+    """What ``owner`` keeps for the replay in the current region invocation's store, in order (its first pass
+    appends, its replay pops from the front); a new empty list where there is no store (nothing is kept)."""
+    kept = store()
+    return [] if kept is None else kept.setdefault(id(owner), [])
+
+
 @contextmanager
 def _phase(name: str, kept: Optional[dict]):
     old = getattr(_state, "phase", None), getattr(_state, "store", None)

@@ -282,7 +282,6 @@ class TopKRouter(nn.Module):
         if cfg.load_balancing == "global_aux_loss":
             self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=True)
             self.register_buffer("global_aux_steps", torch.zeros((), dtype=torch.float32), persistent=True)
-        self._replayed: list[torch.Tensor] = []  # the window each recomputed pass saw, in order (modules/replay.py)
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int) -> RouterOutput:
         cfg = self.cfg
@@ -369,15 +368,15 @@ class TopKRouter(nn.Module):
             return loss * (ctx.size("tp_cp") // ctx.size("tp"))
         if cfg.load_balancing == "global_aux_loss":
             if replay.replaying():  # the first pass's window: later micro-batches have moved the counters since
-                averaged_E = self._replayed.pop(0)  # (and no all-reduce: every rank replays alike)
+                averaged_E = replay.entries(self).pop(0)  # (and no all-reduce: every rank replays alike)
             else:
                 tpe_E = ctx.all_reduce_(counts_X, "tp_dp_cp")
                 with torch.no_grad():
                     self.global_tokens_per_expert += tpe_E
                     self.global_aux_steps += 1
                 averaged_E = self.global_tokens_per_expert / self.global_aux_steps
-                if replay.recorded():  # this pass will be replayed in backward: keep what it saw
-                    self._replayed.append(averaged_E)
+                if replay.recorded():  # this pass will be replayed in backward: keep what it saw (in the
+                    replay.entries(self).append(averaged_E)  # invocation's store, freed with it)
             total = T * ctx.size("tp_dp_cp")
             return switch_loss_of_sums(sums_X, averaged_E, total, K, E, coeff) * ctx.size("dp_cp")
         raise ValueError(f"TopKRouter: unknown load_balancing {cfg.load_balancing!r}")
@@ -418,4 +417,3 @@ class TopKRouter(nn.Module):
         if self.cfg.load_balancing == "global_aux_loss":
             self.global_tokens_per_expert.zero_()
             self.global_aux_steps.zero_()
-        self._replayed.clear()  # every replay of the window has run by now
