@@ -162,6 +162,10 @@ class Recompute(L.Callback):
             def recomputed(*args, **kwargs):
                 if not torch.is_grad_enabled():  # evaluation: nothing to keep or rebuild
                     return forward(*args, **kwargs)
+                if replay.recorded() or replay.replaying():  # inside a recomputed region already (the shared
+                    # experts in the MoE layer): its checkpoint keeps and replays this module too; one of its own
+                    # would run its replay as a first pass (FP8 delayed scales pushed again) and recompute it twice
+                    return forward(*args, **kwargs)
                 return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
             return recomputed
 

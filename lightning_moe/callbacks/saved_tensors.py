@@ -59,8 +59,10 @@ def _tensors(out) -> list:
 class _Recipe:
     """How to rebuild a marked module's outputs: its forward on the same inputs, under the same autocast state."""
 
-    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, outputs: list, name: str):
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, outputs: list, name: str,
+                 kept: Optional[dict]):
         self.module, self.args, self.kwargs, self.name = module, args, kwargs, name
+        self.kept = kept  # what its forward kept for the rebuild (``modules/replay.py``: FP8's delayed scales)
         self.layouts = [(o.untyped_storage().nbytes(), o.stride()) for o in outputs]
         dev = outputs[0].device.type
         self.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -70,7 +72,7 @@ class _Recipe:
     def output(self, i: int) -> torch.Tensor:
         if self._outputs is None:  # once for all the saved copies of every output
             dev, enabled, dtype = self.autocast
-            with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), replay.replay():
+            with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled), replay.replay(self.kept):
                 outs = _tensors(self.module.forward(*self.args, **self.kwargs))  # forward: no hooks run again
             if [(o.untyped_storage().nbytes(), o.stride()) for o in outs] != self.layouts:
                 raise RuntimeError(f"Recompute: recomputing {self.name} gave outputs of another layout than its "
@@ -113,6 +115,7 @@ class SavedTensorPolicy:
         self.stats: dict[str, int] = defaultdict(int)  # bytes kept off the device per mark, last forward
         self._outputs: dict[int, list] = {}  # storage address -> [(recipe, index, weakref to the output)]
         self._open: list[list[_Saved]] = []  # saved inside the marked modules now running (their own outputs?)
+        self._phases: list = []  # per marked module now running: (its first-pass context, its store) or None
         self._offloading: list[str] = []  # the offload marks now running
         self._handles: list = []
         self._wrapped: list[tuple[nn.Module, Callable]] = []  # (block, our wrapper of its forward)
@@ -136,6 +139,7 @@ class SavedTensorPolicy:
                         self._outputs.clear()
                         self._open.clear()
                         self._offloading.clear()
+                        self._close_phases()
             return wrapped
 
         self._wrapped.append((block, wrap_forward(block, make)))
@@ -158,17 +162,29 @@ class SavedTensorPolicy:
             finally:
                 self._outputs.clear()
                 self._open.clear()
+                self._close_phases()
 
     def mark_recompute(self, module: nn.Module, name: str) -> None:
         def before(mod, args):
             self._open.append([])
+            phase = None
+            if torch.is_grad_enabled() and not (replay.recorded() or replay.replaying()):
+                # its forward is the first pass of its rebuild: what it keeps for that (FP8 delayed scales) goes in
+                # a store of its own; inside another region (a nested mark, a checkpoint) that region's holds it
+                kept: dict = {}
+                phase = (replay.first_pass(kept), kept)
+                phase[0].__enter__()
+            self._phases.append(phase)
 
         def after(mod, args, kwargs, out):
             inside = self._open.pop() if self._open else []
+            phase = self._phases.pop() if self._phases else None
+            if phase is not None:
+                phase[0].__exit__(None, None, None)
             outs = _tensors(out)
             if not outs or not torch.is_grad_enabled():
                 return
-            recipe = _Recipe(mod, args, kwargs, outs, name)
+            recipe = _Recipe(mod, args, kwargs, outs, name, phase[1] if phase is not None else None)
             for i, o in enumerate(outs):
                 self._outputs.setdefault(o.untyped_storage().data_ptr(), []).append((recipe, i, weakref.ref(o)))
             for saved in inside:  # the module kept its own output (attention does): rebuild that too
@@ -179,6 +195,13 @@ class SavedTensorPolicy:
 
         self._handles += [module.register_forward_pre_hook(before),
                           module.register_forward_hook(after, with_kwargs=True)]
+
+    def _close_phases(self) -> None:
+        """The first-pass contexts of marked modules whose forward raised (their forward hooks never ran)."""
+        while self._phases:
+            phase = self._phases.pop()
+            if phase is not None:
+                phase[0].__exit__(None, None, None)
 
     def mark_offload(self, module: nn.Module, name: str) -> None:
         def before(mod, args):

@@ -187,10 +187,10 @@ class Recomputed:
         ``push`` after where true), or None on the history's first use (then the amax comes first: ``_used_of``)."""
         from lightning_moe.modules import replay
         entries = replay.entries(self)
-        if replay.replaying() and entries:
-            if entries[0][0] == "used":
+        if replay.replaying() and replay.store() is not None:
+            if entries and entries[0][0] == "used":
                 return None  # its first pass was the history's first use: so is the replay
-            return entries.pop(0)[1], False
+            return _replayed(entries, "ring"), False
         if ring is None:
             return None
         if replay.recorded():
@@ -201,12 +201,23 @@ class Recomputed:
         """The amax to scale by, ``compute()`` (which pushes the current one) unless this is a replay."""
         from lightning_moe.modules import replay
         entries = replay.entries(self)
-        if replay.replaying() and entries and entries[0][0] == "used":
-            return entries.pop(0)[1]
+        if replay.replaying() and replay.store() is not None:
+            return _replayed(entries, "used")
         used = compute()
         if replay.recorded():
             entries.append(("used", used))
         return used
+
+
+def _replayed(entries: list, kind: str):
+    """The first pass's next entry, of this kind: a replay that reads the histories otherwise than its first pass did
+    would scale by the wrong amaxes, so it is an error."""
+    if not entries or entries[0][0] != kind:
+        raise RuntimeError("FP8 delayed scaling under recomputation: a recomputed region read an amax history "
+                           f"otherwise than its first pass did (wanted {kind!r}, found "
+                           f"{entries[0][0] if entries else 'nothing'!r}): its forward took another path when "
+                           "replayed; recompute less of the model (Recompute's modules) or use another FP8 recipe")
+    return entries.pop(0)[1]
 
 
 class AmaxHistory(Recomputed):

@@ -72,15 +72,19 @@ def test_recompute_is_bit_identical(tmp_path, tokens, model, settings):
         assert all(torch.equal(state[k], v) for k, v in ref[2].items()), modules  # weights, expert bias, counters
 
 
-@pytest.mark.parametrize("modules", [["moe"], ["full"], ["mlp", "shared_experts"]])
-def test_recompute_under_delayed_fp8_is_bit_identical(tmp_path, tokens, modules):
-    """FP8Training('delayed') (emulated on the CPU): a recomputed forward scales each operand by what its first pass
-    used and pushes nothing into the amax histories (as Transformer Engine restores its scales for a recomputation),
-    so training is bit-identical to no recomputation; the histories' first uses (step one) included. Without that the
-    replay scaled by a history its first pass had advanced, and pushed it again."""
+@pytest.mark.parametrize("model,modules", [(GQA, ["moe"]), (GQA, ["full"]), (GQA, ["mlp", "shared_experts"]),
+                                           (GQA, ["moe", "shared_experts"]), (MLA, ["mla_up_proj"])],
+                         ids=["moe", "full", "mlp+shared", "moe+shared", "mla_up_proj"])
+def test_recompute_under_delayed_fp8_is_bit_identical(tmp_path, tokens, model, modules):
+    """FP8Training('delayed') (emulated on the CPU), a history of two so that a second push changes the scale: a
+    recomputed region (a checkpoint, or a rebuilt module with FP8 linears: MLA's up-projections) scales each operand
+    by what its first pass used and pushes nothing into the amax histories (as Transformer Engine restores its scales
+    for a recomputation), so training is bit-identical to no recomputation, the histories' first uses (step one)
+    included. The shared experts inside a recomputed MoE layer are replayed with it, not as a first pass of their
+    own. Without that the replay scaled by a history its first pass had advanced, and pushed it again."""
     from lightning_moe import FP8Training
-    ref = _fit(tokens, str(tmp_path), GQA, extra=[FP8Training("delayed")])
-    losses, grads, state = _fit(tokens, str(tmp_path), GQA, modules, extra=[FP8Training("delayed")])
+    ref = _fit(tokens, str(tmp_path), model, extra=[FP8Training("delayed", amax_history=2)])
+    losses, grads, state = _fit(tokens, str(tmp_path), model, modules, extra=[FP8Training("delayed", amax_history=2)])
     assert losses == ref[0]
     assert all(torch.equal(grads[k], v) for k, v in ref[1].items())
     assert all(torch.equal(state[k], v) for k, v in ref[2].items())
