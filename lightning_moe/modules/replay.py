@@ -8,7 +8,6 @@ delayed scales: ``fp8.Recomputed``). Set by the recomputation's contexts (``torc
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from typing import Optional
 
 _state = threading.local()
@@ -33,25 +32,42 @@ def store() -> Optional[dict]:
 
 
 def entries(owner: object) -> list:
-    """What ``owner`` keeps for the replay in the current region invocation's store, in order (its first pass
-    appends, its replay pops from the front); a new empty list where there is no store (nothing is kept)."""
+    """What ``owner`` keeps for the replay in the current region invocation's store, in order: its first pass
+    appends, its replay pops from the front of a copy of its own (a second backward through a retained graph replays
+    again, from the start); a new empty list where there is no store (nothing is kept)."""
     kept = store()
-    return [] if kept is None else kept.setdefault(id(owner), [])
+    if kept is None:
+        return []
+    if replaying():
+        pending = _state.pending
+        if id(owner) not in pending:
+            pending[id(owner)] = list(kept.get(id(owner), ()))
+        return pending[id(owner)]
+    return kept.setdefault(id(owner), [])
 
 
-@contextmanager
-def _phase(name: str, kept: Optional[dict]):
-    old = getattr(_state, "phase", None), getattr(_state, "store", None)
-    _state.phase, _state.store = name, kept
-    try:
-        yield
-    finally:
-        _state.phase, _state.store = old
+class _Phase:
+    """A phase of one region invocation, entered each time it runs (a context manager object that can be entered
+    again: torch.utils.checkpoint enters the same one for each recomputation)."""
+
+    def __init__(self, name: str, kept: Optional[dict]):
+        self.name, self.kept, self._outer = name, kept, []
+
+    def __enter__(self):
+        self._outer.append((getattr(_state, "phase", None), getattr(_state, "store", None),
+                            getattr(_state, "pending", None)))
+        _state.phase, _state.store = self.name, self.kept
+        _state.pending = {} if self.name == "replay" else None  # this replay's copies of the entries (``entries``)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        _state.phase, _state.store, _state.pending = self._outer.pop()
+        return False
 
 
-def first_pass(kept: Optional[dict] = None):
-    return _phase("first", kept)
+def first_pass(kept: Optional[dict] = None) -> _Phase:
+    return _Phase("first", kept)
 
 
-def replay(kept: Optional[dict] = None):
-    return _phase("replay", kept)
+def replay(kept: Optional[dict] = None) -> _Phase:
+    return _Phase("replay", kept)

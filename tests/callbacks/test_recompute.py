@@ -90,6 +90,22 @@ def test_recompute_under_delayed_fp8_is_bit_identical(tmp_path, tokens, model, m
     assert all(torch.equal(state[k], v) for k, v in ref[2].items())
 
 
+def test_a_retained_graph_replays_its_recomputed_regions_again():
+    """A second backward through a retained graph recomputes each checkpointed region again (the replay contexts
+    enter again and read their first pass's values from the start: the global aux-loss window here): the same
+    gradients as the first backward."""
+    lm = _lm(GQA)
+    Recompute(["moe", "mlp"]).on_fit_start(SimpleNamespace(strategy=SimpleNamespace(cuda_graphs=False)), lm)
+    lm.train()
+    tokens = torch.randint(0, lm.config.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    lm_loss, aux = lm.model.loss(tokens[:, :-1], tokens[:, 1:])
+    (lm_loss + aux).backward(retain_graph=True)
+    first = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+    lm.zero_grad(set_to_none=True)
+    (lm_loss + aux).backward()
+    assert first and all(torch.equal(p.grad, first[n]) for n, p in lm.named_parameters() if n in first)
+
+
 # ------------------------------------------------------------------------------------------------ memory
 def _outputs_held(lm, modules, callbacks=None):
     """Forward one micro-batch; then the bytes of each submodule's outputs that autograd still holds, by module."""
