@@ -57,37 +57,25 @@ def _amax_bits(a):
 def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, hist_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, qt_ptr,
                  amax_ptr, inv_m_ptr, inv_l_ptr, P, W, L, H, QT_STRIDE, FMAX: tl.constexpr, TINY: tl.constexpr,
                  SOURCE: tl.constexpr, HAS_P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr,
-                 BLOCK_EXPERT: tl.constexpr, BLOCK_H: tl.constexpr):
-    """BLOCK_P padded positions x BLOCK_X columns of the W-wide source: x (SOURCE 0, q is (M, W)), SwiGLU of h
-    (1: W = F, q is (M, F)) or its input gradient from g and h (2: W = F, q is (M, 2F): both halves from one read,
-    the row weights' partial gradient per column block into ``gp``). Each position's expert and source row; its
-    expert's scale from the max of the H amaxes ``hist`` (H, L) holds for it (``_scale``: ``scale_of``'s bits), its
-    dequantization scale written per row and per expert by the first column block. ``BLOCK_EXPERT``: the padded ends
-    are multiples of BLOCK_P, so the block is one expert's (its bounds read once, one atomic for its amax)."""
+                 BLOCK_EXPERT: tl.constexpr, BLOCK_H: tl.constexpr, LOOP: tl.constexpr, STAGES: tl.constexpr):
+    """BLOCK_P padded positions x LOOP blocks of BLOCK_X columns of the W-wide source: x (SOURCE 0, q is (M, W)),
+    SwiGLU of h (1: W = F, q is (M, F)) or its input gradient from g and h (2: W = F, q is (M, 2F): both halves from
+    one read, the row weights' partial gradient per column block into ``gp``). Each position's expert and source row,
+    looked up once for the LOOP blocks (whose loads run STAGES deep: a program of one block waited on its lookups'
+    dependent loads, then on its source, with little else in flight); its expert's scale from the max of the H amaxes
+    ``hist`` (H, L) holds for it (``_scale``: ``scale_of``'s bits), its dequantization scale written per row and per
+    expert by the first column program. ``BLOCK_EXPERT``: the padded ends are multiples of BLOCK_P, so the block is
+    one expert's (its bounds read once, one atomic for its amax)."""
     p0 = tl.program_id(0) * BLOCK_P
     if p0 >= tl.load(poffs_ptr + L - 1):  # past the last expert's padded end: the GEMMs read nothing there
         return
     p = p0 + tl.arange(0, BLOCK_P)
-    cols = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
-    pmask, cmask = p < P, cols < W
+    pmask = p < P
     g, start, end, pstart = expert_rows(p0, p, pmask, gid_ptr, offs_ptr, poffs_ptr, BLOCK_EXPERT)
     gv = g + tl.zeros((BLOCK_P,), tl.int32)  # each position's expert (one for all under BLOCK_EXPERT)
     src = start + (p - pstart)
     ok = pmask & (src < end)
-    m2 = ok[:, None] & cmask[None, :]
     r64 = src.to(tl.int64)[:, None]
-    # the source first, then the history in one load: each load's latency under the other's (a loop over the
-    # history's rows waited for each in turn: the SwiGLU's gradient at Qwen3 took 0.58 ms against 0.42 on an H100)
-    if SOURCE == 0:
-        v = tl.load(x_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    else:
-        gate = tl.load(h_ptr + r64 * 2 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + r64 * 2 * W + W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        pr = 1.0
-        if HAS_P:
-            pr = tl.load(p_ptr + src, mask=ok, other=0.0).to(tl.float32)[:, None]
-        if SOURCE == 2:
-            gr = tl.load(g_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     hs = tl.arange(0, BLOCK_H)
     if BLOCK_EXPERT:
         used = tl.reduce(tl.load(hist_ptr + hs * L + g, mask=hs < H, other=0.0), 0, _max_nan) + tl.zeros(
@@ -101,37 +89,53 @@ def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, hist_ptr, offs_ptr, poffs_p
         inv = _stored(s_P, True, BLOCK_P)
         tl.store(inv_m_ptr + src, inv, mask=ok)
         tl.store(inv_l_ptr + gv, inv, mask=pmask & (p == pstart))
-    if SOURCE == 0:
-        _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
-        a = tl.abs(v)
-    else:
-        if SOURCE == 1:  # rounded to the activation's dtype, as the SwiGLU kernel stores it
-            v = swiglu_math(gate, up, pr, HAS_P).to(h_ptr.dtype.element_ty).to(tl.float32)
+    amax_P = tl.zeros((BLOCK_P,), tl.float32)
+    pr = 1.0
+    if HAS_P:
+        pr = tl.load(p_ptr + src, mask=ok, other=0.0).to(tl.float32)[:, None]
+    for i in tl.range(0, LOOP, num_stages=STAGES):
+        xb = tl.program_id(1) * LOOP + i
+        cols = xb * BLOCK_X + tl.arange(0, BLOCK_X)
+        cmask = cols < W
+        m2 = ok[:, None] & cmask[None, :]
+        if SOURCE == 0:
+            v = tl.load(x_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
             a = tl.abs(v)
         else:
-            d_gate, d_up, terms = swiglu_grad_math(gr, gate, up, pr, HAS_P)
-            dg = d_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
-            du = d_up.to(h_ptr.dtype.element_ty).to(tl.float32)
-            _store_both(dg, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, 2 * W, QT_STRIDE, FMAX)
-            _store_both(du, s, q_ptr + W, qt_ptr + W.to(tl.int64) * QT_STRIDE, r64, ok, p, pmask, cols, cmask, 2 * W,
-                        QT_STRIDE, FMAX)
-            if HAS_P:
-                tl.store(gp_ptr + src.to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
-                         tl.sum(tl.where(m2, terms, 0.0), 1), mask=ok)
-            a = _max_nan(tl.abs(dg), tl.abs(du))
+            gate = tl.load(h_ptr + r64 * 2 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + r64 * 2 * W + W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            if SOURCE == 1:  # rounded to the activation's dtype, as the SwiGLU kernel stores it
+                v = swiglu_math(gate, up, pr, HAS_P).to(h_ptr.dtype.element_ty).to(tl.float32)
+                _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
+                a = tl.abs(v)
+            else:
+                gr = tl.load(g_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+                d_gate, d_up, terms = swiglu_grad_math(gr, gate, up, pr, HAS_P)
+                dg = d_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
+                du = d_up.to(h_ptr.dtype.element_ty).to(tl.float32)
+                _store_both(dg, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, 2 * W, QT_STRIDE, FMAX)
+                _store_both(du, s, q_ptr + W, qt_ptr + W.to(tl.int64) * QT_STRIDE, r64, ok, p, pmask, cols, cmask,
+                            2 * W, QT_STRIDE, FMAX)
+                if HAS_P:  # per column block, as the host sums them
+                    tl.store(gp_ptr + src.to(tl.int64) * tl.cdiv(W, BLOCK_X) + xb,
+                             tl.sum(tl.where(m2, terms, 0.0), 1), mask=ok & (p * 0 + xb * BLOCK_X < W))
+                a = _max_nan(tl.abs(dg), tl.abs(du))
+        amax_P = _max_nan(amax_P, tl.reduce(a, 1, _max_nan))
     if BLOCK_EXPERT:
-        tl.atomic_max(amax_ptr + g, _amax_bits(tl.reduce(tl.reduce(a, 1, _max_nan), 0, _max_nan)), sem="relaxed")
+        tl.atomic_max(amax_ptr + g, _amax_bits(tl.reduce(amax_P, 0, _max_nan)), sem="relaxed")
     else:
-        tl.atomic_max(amax_ptr + g, _amax_bits(tl.reduce(a, 1, _max_nan)), mask=ok, sem="relaxed")
+        tl.atomic_max(amax_ptr + g, _amax_bits(amax_P), mask=ok, sem="relaxed")
 
 
 @functools.lru_cache(maxsize=64)
 def config(W: int, source: int) -> tuple:
-    """(BLOCK_P, BLOCK_X, warps): 64 positions (half a token block of the wgrad: one expert's) by 128 columns, 32 for
-    SwiGLU's gradient (two halves stored). The fastest of those measured on an H100 at the Qwen3 and Mixtral shapes
-    (docs/PERFORMANCE.md)."""
-    return (32, 128, 4) if source == 2 else (64, 128, 4)
+    """(BLOCK_P, BLOCK_X, warps, LOOP, STAGES): 64 positions (half a token block of the wgrad: one expert's) by 256
+    columns for x, 8 warps, a program taking 4 column blocks three loads deep (0.399 ms at Qwen3's x against 0.411 for
+    one 64 x 128 block a program, -3 to -4 %; OLMoE -1 %); 64 x 128 for the SwiGLU, 32 x 128 for its gradient (two
+    halves stored), one block a program (a loop over columns held both halves' loads: 255 registers, twice as slow).
+    Measured on an H100 (docs/PERFORMANCE.md)."""
+    return (32, 128, 4, 1, 1) if source == 2 else (64, 128, 4, 1, 1) if source == 1 else (64, 256, 8, 4, 3)
 
 
 def _launch(source: int, x, h, g, p, amax_HL, offs_L, poffs_L, gid_P, P: int, W: int, q_cols: int, fmt: str,
@@ -151,17 +155,18 @@ def _launch(source: int, x, h, g, p, amax_HL, offs_L, poffs_L, gid_P, P: int, W:
     inv_M = torch.empty(M, device=dev, dtype=torch.float32)
     inv_L = torch.ones(L, device=dev, dtype=torch.float32)  # an empty expert's: no row writes it
     amax_HL = amax_HL.float().reshape(-1, L).contiguous()
-    BLOCK_P, BLOCK_X, warps = cfg or config(W, source)
+    BLOCK_P, BLOCK_X, warps, loop, stages = (*(cfg or config(W, source)), 1, 1)[:5]  # (BP, BX, warps): one block
     nxb = triton.cdiv(W, BLOCK_X)
     gp = torch.zeros(M, nxb, device=dev, dtype=torch.float32) if source == 2 and p is not None else None
     if P and W and L:
-        launch(_both_kernel, (triton.cdiv(P, BLOCK_P), nxb), src, src if h is None else h, src if g is None else g,
+        launch(_both_kernel, (triton.cdiv(P, BLOCK_P), triton.cdiv(nxb, loop)), src, src if h is None else h,
+               src if g is None else g,
                src if p is None else p, amax_bits if gp is None else gp, amax_HL,
                offs_L.to(torch.int32).contiguous(), poffs_L.to(torch.int32).contiguous(),
                gid_P.to(torch.int32).contiguous(), q, qt, amax_bits, inv_M, inv_L, P, W, L, amax_HL.shape[0],
                qt.stride(0), FMAX=fmax, TINY=_TINY, SOURCE=source,
                HAS_P=p is not None, BLOCK_P=BLOCK_P, BLOCK_X=BLOCK_X, BLOCK_EXPERT=align % BLOCK_P == 0,
-               BLOCK_H=max(16, triton.next_power_of_2(amax_HL.shape[0])), num_warps=warps,
+               BLOCK_H=max(16, triton.next_power_of_2(amax_HL.shape[0])), LOOP=loop, STAGES=stages, num_warps=warps,
                enable_fp_fusion=True)  # triton_swiglu's contraction; the quantization has no add
     return q, qt, inv_M, inv_L, amax_bits.view(torch.float32), gp
 

@@ -409,3 +409,39 @@ def test_bf16_segments_wgrad_loads_as_the_one_micro_batch_kernel(acc):
     assert irs.count(copies) == ir1.count(copies) == 2 * tk.DEFAULT.num_stages
     n_s, n_1 = (ptx.count("cp.async.cg") + ptx.count("cp.async.ca") for ptx in (ptxs, ptx1))
     assert n_s == n_1 > 0
+
+
+@nvidia
+@pytest.mark.parametrize("source", [0, 1, 2])
+def test_one_pass_quantization_loads_its_column_blocks_ahead(source, tmp_path):
+    """``triton_fp8_both``'s shipped configs, compiled for sm_90a with triton's ptxas: where a program takes several
+    column blocks (x), its loads are asynchronous copies STAGES deep (the prologue's STAGES - 1 and the loop's);
+    the others load plainly; no spills in any."""
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lightning_moe.modules import triton_fp8_both as tb
+    bp, bx, warps, loop, stages = tb.config(2048 if source == 0 else 768, source)
+    sig = {n: "*bf16" for n in ("x_ptr", "h_ptr", "g_ptr", "p_ptr")}
+    sig.update(gp_ptr="*fp32", hist_ptr="*fp32", offs_ptr="*i32", poffs_ptr="*i32", gid_ptr="*i32", q_ptr="*fp8e4nv",
+               qt_ptr="*fp8e4nv", amax_ptr="*i32", inv_m_ptr="*fp32", inv_l_ptr="*fp32", P="i32", W="i32", L="i32",
+               H="i32", QT_STRIDE="i32")
+    const = dict(FMAX=448.0, TINY=1e-12, SOURCE=source, HAS_P=source > 0, BLOCK_P=bp, BLOCK_X=bx,
+                 BLOCK_EXPERT=True, BLOCK_H=16, LOOP=loop, STAGES=stages)
+    sig.update({c: "constexpr" for c in const})
+    names = tb._both_kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n.endswith("_ptr") or n in ("P", "W", "QT_STRIDE")}
+    compiled = triton.compile(ASTSource(tb._both_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
+    if loop > 1:
+        assert copies == stages * (1 if source == 0 else 2 if source == 1 else 3)
+    else:
+        assert copies == 0
+    (tmp_path / "k.ptx").write_text(compiled.asm["ptx"])
+    res = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    assert " 0 bytes spill stores" in res, res
