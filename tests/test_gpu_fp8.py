@@ -221,12 +221,17 @@ def test_fp8_wgrad_over_segments_gives_one_kernel_per_segments_bits(fast):
 
 
 @hopper
-@pytest.mark.parametrize("fast,window", [("fprop", None), ("all", None), ("fprop", 2)])
-def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast, window):
+@pytest.mark.parametrize("recipe,fast,window", [("rowwise", "fprop", None), ("rowwise", "all", None),
+                                                ("rowwise", "fprop", 2), ("delayed", "all", None),
+                                                ("delayed", "fprop", 2), ("tensorwise", "all", 2)])
+def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(recipe, fast, window):
     """``FP8Spec(defer_wgrad=True)`` (``FP8Training(defer_expert_wgrad=True)``): three micro-batches of uneven
     experts through GradSync's fusion, the wgrad held until the armed backward (``window=2``: the first two run at
     the second backward, the third alone at the armed one), against the wgrad of every micro-batch into the main
-    grads: the same main grads and input gradients, bit for bit, over four steps."""
+    grads: the same main grads and input gradients, bit for bit, over four steps. The rowwise recipe quantizes into
+    arenas kept from step to step; the tensorwise and delayed ones (E4M3, the one-pass kernels of
+    ``fp8_grouped_both``, their transposed copies from forward) concatenate and keep none."""
+    from lightning_moe.modules import fp8_grouped_both as both
     from lightning_moe.modules.fp8_grouped import fp8_grouped_mm
     from lightning_moe.modules.fp8_linear import FP8Spec
     from lightning_moe.strategy.grad_sync import GradSync
@@ -247,7 +252,8 @@ def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast, window)
         p = torch.nn.Parameter(w.clone())
         p.wgrad_fusable = True
         sync = GradSync([p], ParallelContext.single(), main_grads=True, fuse_wgrad=True)
-        spec = FP8Spec("rowwise", fast_accum=fast, defer_wgrad=defer, defer_window=window if defer else None)
+        spec = FP8Spec(recipe, fast_accum=fast, fp8_format="e4m3", defer_wgrad=defer,
+                       defer_window=window if defer else None)
         out, arenas = [], []
         # step 0 concatenates the held operands into arenas, step 1 quantizes into them (no concatenation), step 2's
         # longer micro-batches do not fit (concatenated into larger arenas), step 3 fits those
@@ -270,6 +276,10 @@ def test_deferred_expert_wgrad_gives_the_same_main_grads_and_dgrad(fast, window)
         assert torch.equal(mg_d, mg) and mg.abs().sum() > 0
         assert all(torch.equal(a, b) for a, b in zip(dx_d, dx))
     assert none == [None] * 4
+    if recipe != "rowwise":
+        assert both.kernels(FP8Spec(recipe, fp8_format="e4m3"), batches[0][0]) is not None  # the one-pass path
+        assert arenas == [None] * 4
+        return
     assert arenas[1] is arenas[0] and arenas[3] is arenas[2]  # reused where they fit
     assert arenas[2][0].shape[1] > arenas[0][0].shape[1]
 

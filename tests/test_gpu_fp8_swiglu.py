@@ -157,6 +157,22 @@ def test_fp8_training_with_the_fused_swiglu(tmp_path, monkeypatch):
 
 
 @hopper
+def test_delayed_fp8_training_defers_the_fp8_expert_wgrad(tmp_path):
+    """The delayed recipe with E4M3 gradients (the one-pass kernels): ``defer_expert_wgrad`` gives the losses and
+    weights of no deferral bit for bit."""
+    from lightning_moe import FP8Training
+
+    def fp8(**kw):
+        return FP8Training("delayed", fp8_format="e4m3", fast_accum="all", **kw)
+
+    ref_losses, ref_state, _ = _fit(tmp_path, [fp8()])
+    for defer in (True, 2):
+        losses, state, _ = _fit(tmp_path, [fp8(defer_expert_wgrad=defer)])
+        assert torch.equal(losses, ref_losses), defer
+        assert all(torch.equal(state[k], v) for k, v in ref_state.items()), defer
+
+
+@hopper
 def test_fp8_training_defers_the_bf16_expert_wgrad(tmp_path):
     """``fp8_wgrad=False`` with the experts' bf16 wgrad deferred, by ``FP8Training(defer_expert_wgrad=True)`` or by
     ``MoEFoldStrategy(defer_expert_wgrad=True)``: the first step's main grads are the per-micro-batch ones up to

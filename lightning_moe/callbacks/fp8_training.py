@@ -99,8 +99,12 @@ class FP8Training(L.Callback):
             the wgrad by memory traffic at one sequence per micro-batch (docs/PERFORMANCE.md); deferred, they are
             written once, by GEMMs over all the step's tokens. The same bits. Costs the operands held until the
             step's last backward (1 byte per routed token and feature of both GEMMs' inputs and output gradients,
-            per micro-batch). Needs the experts' Triton FP8 wgrad (the rowwise recipe on an SM 9.0 GPU with triton)
-            and MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with fp32 main grads). With bf16 main
+            per micro-batch). Needs the experts' Triton FP8 wgrad (an SM 9.0 GPU with triton; the rowwise recipe, or
+            tensorwise or delayed with ``fp8_format='e4m3'``, whose per-expert scales differ from micro-batch to
+            micro-batch as the rowwise ones do) and MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with
+            fp32 main grads). The rowwise recipe quantizes each micro-batch's operands into one buffer side by side;
+            the others' transposed copies come from forward's one-pass quantization, so the deferred wgrad
+            concatenates them (one copy of the held bytes per window). With bf16 main
             grads (the distributed optimizer's bf16 main params) the sum is rounded to bf16 once per step instead of
             once per micro-batch: not the same bits, closer ones. An int N >= 2 holds at most N micro-batches: the
             backward that fills the window runs them, so the held operands stay bounded under long gradient
@@ -142,12 +146,12 @@ class FP8Training(L.Callback):
                              "fp8_wgrad=False with the tensorwise, delayed or rowwise recipe, or leave it on")
         window = _defer_window(defer_expert_wgrad)
         e5m2 = FP8Spec(recipe, fp8_format=fp8_format).formats()[1] == "e5m2"  # gradients: emulated backward
-        if defer_expert_wgrad and (recipe != "rowwise" if fp8_wgrad else e5m2):
+        if defer_expert_wgrad and (e5m2 or recipe == "blockwise"):
             raise ValueError(f"FP8Training(recipe={recipe!r}, fp8_wgrad={fp8_wgrad}, fp8_format={fp8_format!r}, "
-                             "defer_expert_wgrad=True): only the rowwise recipe's FP8 expert wgrad (Triton) or, with "
-                             "fp8_wgrad=False, the bf16 expert wgrad behind E4M3 gradients (E5M2 ones run emulated) "
-                             "can be deferred; use recipe='rowwise', or fp8_wgrad=False with fp8_format='e4m3', or "
-                             "leave defer_expert_wgrad off")
+                             "defer_expert_wgrad=True): only an expert wgrad behind E4M3 gradients can be deferred "
+                             "(E5M2 ones run the emulated backward; the blockwise recipe's wgrad is DeepGEMM's): the "
+                             "FP8 one on Triton (rowwise, or tensorwise or delayed with fp8_format='e4m3') or, with "
+                             "fp8_wgrad=False, the bf16 one; use one of those, or leave defer_expert_wgrad off")
         self.defer_expert_wgrad, self.defer_window = bool(defer_expert_wgrad), window
         self.recipe, self.exclude, self.include_head = recipe, list(exclude), include_head
         self.emulate, self.amax_history, self.fp8_format = emulate, amax_history, fp8_format

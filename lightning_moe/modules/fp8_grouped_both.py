@@ -176,6 +176,7 @@ def backward(ctx, dy_MN: torch.Tensor) -> tuple:
     wk = load("triton_fp8_wgrad", dy_MN)
     defer = ctx.sync is not None and spec.defer_wgrad
     poffs_L = ctx.layout[0]
+    # deferred: xT comes from forward's pass, so the held copies are concatenated (no arena kept between steps)
     dw = gk.triton_wgrad(ctx, wk, (xT, x_inv_L.unsqueeze(1).expand(L, K)), (dyT, dy_inv_L.unsqueeze(1).expand(L, N)),
-                         poffs_L, w_LKN, defer)
+                         poffs_L, w_LKN, defer, arena=False)
     return dx.to(ctx.dtype), dw

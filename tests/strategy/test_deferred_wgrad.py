@@ -198,8 +198,14 @@ def test_callback_refuses_what_cannot_defer(monkeypatch):
     assert FP8Training("rowwise", defer_expert_wgrad=4).defer_window == 4
     for kwargs in (dict(recipe="tensorwise"), dict(recipe="blockwise"), dict(recipe="tensorwise", fp8_wgrad=False),
                    dict(recipe="delayed", fp8_wgrad=False, fp8_format="hybrid")):
-        with pytest.raises(ValueError, match="only the rowwise recipe's FP8 expert wgrad"):
+        with pytest.raises(ValueError, match="only an expert wgrad behind E4M3 gradients can be deferred"):
             FP8Training(defer_expert_wgrad=True, **kwargs)
+    # the one-pass experts' FP8 wgrad (tensorwise and delayed with E4M3 gradients) defers as the rowwise one does,
+    # on the GPU only
+    for recipe in ("tensorwise", "delayed"):
+        assert FP8Training(recipe, fp8_format="e4m3", defer_expert_wgrad=2).defer_window == 2
+        with pytest.raises(ValueError, match=r"needs the experts' Triton FP8 wgrad"):
+            _start(FP8Training(recipe, fp8_format="e4m3", defer_expert_wgrad=True), _lm())
     # the bf16 wgrad behind E4M3 gradients defers too, but not on emulated experts (the CPU)
     FP8Training("tensorwise", fp8_wgrad=False, fp8_format="e4m3", defer_expert_wgrad=2)
     with pytest.raises(ValueError, match=r"fp8_wgrad=False, defer_expert_wgrad=True\) needs the experts' FP8 kernels"):
