@@ -102,9 +102,9 @@ class FP8Training(L.Callback):
             per micro-batch). Needs the experts' Triton FP8 wgrad (an SM 9.0 GPU with triton; the rowwise recipe, or
             tensorwise or delayed with ``fp8_format='e4m3'``, whose per-expert scales differ from micro-batch to
             micro-batch as the rowwise ones do) and MoEFoldStrategy's gradient-accumulation fusion (bf16 weights with
-            fp32 main grads). The rowwise recipe quantizes each micro-batch's operands into one buffer side by side;
-            the others' transposed copies come from forward's one-pass quantization, so the deferred wgrad
-            concatenates them (one copy of the held bytes per window). With bf16 main
+            fp32 main grads). Each micro-batch's operands go side by side into buffers kept from step to step (the
+            tensorwise and delayed recipes' input copy, made by forward's one-pass quantization, is copied there in
+            backward: one copy of its bytes). With bf16 main
             grads (the distributed optimizer's bf16 main params) the sum is rounded to bf16 once per step instead of
             once per micro-batch: not the same bits, closer ones. An int N >= 2 holds at most N micro-batches: the
             backward that fills the window runs them, so the held operands stay bounded under long gradient

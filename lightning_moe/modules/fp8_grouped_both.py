@@ -19,6 +19,7 @@ Shapes: M routed rows (sorted by expert), K input features, N output features, L
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -62,12 +63,13 @@ def amaxes(spec: FP8Spec, name: str, x_MX, offs: torch.Tensor, split: bool) -> t
     return _reduced(amax_L, spec, name, split, tokens=True).reshape(1, -1), False
 
 
-def _quantize(tb, spec: FP8Spec, name: str, x_MX: torch.Tensor, offs, layout: tuple, split: bool) -> tuple:
+def _quantize(tb, spec: FP8Spec, name: str, x_MX: torch.Tensor, offs, layout: tuple, split: bool,
+              out: Optional[torch.Tensor] = None) -> tuple:
     """``(q_MX, qT_XP, dequantization scales per row (M,) and per expert (L,))`` of operand ``name`` in one pass
-    (after its amax, where needed)."""
+    (after its amax, where needed); qT into ``out`` where given."""
     poffs_L, P, gid_P, align = layout
     amax_HL, push = amaxes(spec, name, x_MX, offs, split)
-    q, qT, inv_M, inv_L, amax_L = tb.quant_both(x_MX, amax_HL, offs, poffs_L, gid_P, P, spec.formats()[0],
+    q, qT, inv_M, inv_L, amax_L = tb.quant_both(x_MX, amax_HL, offs, poffs_L, gid_P, P, spec.formats()[0], out=out,
                                                 align=align)
     if push:
         record(spec, name, amax_L, split)
@@ -165,18 +167,23 @@ def backward(ctx, dy_MN: torch.Tensor) -> tuple:
     L, K, N = w_LKN.shape
     col = spec.split == "out"
     hand, side = _handoff(spec)
+    # a deferred wgrad's operands go side by side into the GEMM's arenas (``_held_slots``; None where they do not fit:
+    # the window concatenates them): dy's transposed copy quantized there, x's (from forward) copied, its own freed
+    defer = ctx.sync is not None and spec.defer_wgrad and ctx.needs_input_grad[1]
+    x_at, dy_at = gk._held_slots(spec, ctx.sync.held(ctx.param), K, N, ctx.layout[1]) if defer else (None, None)
     pre = hand.take("backward", dy_MN) if side == "fc1" else None  # dh, quantized by the fused SwiGLU
     dyq, dyT, dy_inv_M, dy_inv_L = pre if pre is not None else _quantize(tb, spec, "dy", dy_MN.contiguous(), offs,
-                                                                         ctx.layout, col)
+                                                                         ctx.layout, col, dy_at)
+    if dy_at is not None:
+        dyT = dy_at.copy_(dyT) if pre is not None else dy_at
+    if x_at is not None:
+        xT = x_at.copy_(xT)
     wt_LKN, w_inv_LK = ctx.w_t
     ctx.w_t = None
     dx = gk._rows_gemm(dyq, wt_LKN.transpose(1, 2), dy_inv_M, w_inv_LK, offs, spec.fast("dgrad"))
     if not ctx.needs_input_grad[1]:
         return dx.to(ctx.dtype), None
     wk = load("triton_fp8_wgrad", dy_MN)
-    defer = ctx.sync is not None and spec.defer_wgrad
-    poffs_L = ctx.layout[0]
-    # deferred: xT comes from forward's pass, so the held copies are concatenated (no arena kept between steps)
     dw = gk.triton_wgrad(ctx, wk, (xT, x_inv_L.unsqueeze(1).expand(L, K)), (dyT, dy_inv_L.unsqueeze(1).expand(L, N)),
-                         poffs_L, w_LKN, defer, arena=False)
+                         ctx.layout[0], w_LKN, defer)
     return dx.to(ctx.dtype), dw

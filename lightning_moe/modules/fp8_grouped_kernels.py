@@ -310,19 +310,16 @@ class _ScaledGroupedMM(torch.autograd.Function):
         return dx.to(x_MK.dtype), dw, None, None, None, None
 
 
-def triton_wgrad(ctx, wk, a: tuple, b: tuple, poffs_L: torch.Tensor, w_LKN: torch.Tensor, defer: bool,
-                 arena: bool = True):
+def triton_wgrad(ctx, wk, a: tuple, b: tuple, poffs_L: torch.Tensor, w_LKN: torch.Tensor, defer: bool):
     """The FP8 wgrad on ``triton_fp8_wgrad`` from its operands ``a = (aT (K, P), dequantization scales (L, K))`` and
     ``b`` likewise (N): into the main grad under GradSync's fusion (held until the step's last backward with
-    ``defer``; ``arena``: the operands were quantized into ``_held_slots``, whose arenas the deferred wgrad keeps for
-    the next step), else a new gradient. Returns what autograd gets for the weight."""
+    ``defer``), else a new gradient. Returns what autograd gets for the weight."""
     spec, fast = ctx.spec, ctx.spec.fast("wgrad")
     # never read under the fusion: it only fires GradSync's hook, which drops it
     dw = ctx.sync.placeholder(ctx.param) if ctx.sync is not None else torch.empty_like(w_LKN)
     if defer:  # held until the step's last backward
         ctx.sync.defer_wgrad(ctx.param, (a, b, poffs_L),
-                             lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec,
-                                                                                 arena),
+                             lambda main, first, helds: _wgrad_of_micro_batches(wk, main, first, helds, fast, spec),
                              spec.defer_window)
     elif ctx.sync is not None:
         ctx.sync.accumulate_wgrad(ctx.param, lambda main, first: wk.wgrad_into(main, a, b, poffs_L, first,
@@ -356,12 +353,11 @@ def _side_by_side(ts: list):
     return first.as_strided((first.shape[0], width), first.stride(), first.storage_offset())
 
 
-def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool, spec: FP8Spec,
-                            arena: bool = True) -> None:
+def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool, spec: FP8Spec) -> None:
     """``FP8Training(defer_expert_wgrad=True)``: the wgrad of every held micro-batch ((aT, sa), (bT, sb), padded
     offsets) in one pass over the main grad, their operands side by side (``triton_fp8_wgrad.wgrad_segments_into``:
     the bits of one kernel per micro-batch in order): in the arenas where ``_held_slots`` put them, else concatenated
-    into new arenas for the next step (``arena``; else, for operands that never go into them, dropped after)."""
+    into new arenas for the next step."""
     if len(helds) == 1:  # no accumulation: the usual kernel
         a, b, poffs_L = helds.pop()
         wk.wgrad_into(main_LKN, a, b, poffs_L, first, per_expert=True, fast=fast)
@@ -377,8 +373,7 @@ def _wgrad_of_micro_batches(wk, main_LKN, first: bool, helds: list, fast: bool, 
     aT, bT = _side_by_side([h[0][0] for h in helds]), _side_by_side([h[1][0] for h in helds])
     if aT is None or bT is None:
         aT, bT = torch.cat([h[0][0] for h in helds], 1), torch.cat([h[1][0] for h in helds], 1)
-        if arena:
-            spec.wgrad_arena = (aT, bT)
+        spec.wgrad_arena = (aT, bT)
     helds.clear()
     wk.wgrad_segments_into(main_LKN, (aT, sa), (bT, sb), starts_SL, ends_SL, first, fast=fast)
 
