@@ -34,6 +34,27 @@ def test_quant_both_gives_the_formula(counts, tail, align, X):
     _check(x, tb.quant_both(x, hist, offs, poffs, gid_P, P, align=align), hist, offs, poffs, gid_M)
 
 
+@pytest.mark.parametrize("counts,tail,align", CASES[:1])
+def test_quant_both_saturates_as_torchs_clamp(counts, tail, align):
+    """The kernels cast without clamping first (the GPU's cast saturates: ``triton_fp8_quant._sat``): values far
+    past the scale's range, the largest bf16 values and infinities give torch's clamp-then-cast bytes; a NaN stays
+    NaN."""
+    from lightning_moe.modules import triton_fp8_both as tb
+    from lightning_moe.modules.fp8 import _saturate, scale_of
+    offs, M, gid_M, poffs, P, gid_P = _layout(counts, tail, align)
+    x = (torch.randn(M, 768, device="cuda") * 100).to(torch.bfloat16)
+    x[0, :6] = torch.tensor([float("inf"), -float("inf"), 3.3e38, -3.3e38, 1e-38, -0.0])
+    x[500, 100:102] = torch.tensor([float("inf"), -float("inf")])
+    hist = torch.rand(3, len(counts), device="cuda") + 0.5  # most values saturate
+    _check(x, tb.quant_both(x, hist, offs, poffs, gid_P, P, align=align), hist, offs, poffs, gid_M)
+    x[7, 9] = float("nan")
+    q = tb.quant_both(x, hist, offs, poffs, gid_P, P, align=align)[0]
+    ref = _saturate(x[:int(offs[-1])], scale_of(hist.amax(0), "e4m3")[gid_M[:int(offs[-1])].long()].unsqueeze(1),
+                    448.0, torch.float8_e4m3fn)
+    assert torch.equal(q[:int(offs[-1])].view(torch.uint8), ref.view(torch.uint8))
+    assert q[7, 9].float().isnan() and (q[0, :4].float().abs() == 448).all()
+
+
 @pytest.mark.parametrize("counts,tail,align", CASES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_swiglu_both_gives_the_swiglu_kernels_bits(counts, tail, align, weighted):

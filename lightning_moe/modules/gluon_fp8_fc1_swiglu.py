@@ -127,7 +127,7 @@ def _swiglu_out(g_buf, u_buf, q_buf, qt_buf, q_desc, qt_desc, whole, e, t, row0,
             a = a * gl.expand_dims(ps[k], 1)
         v = gl.where(ok2, a.to(gl.bfloat16).to(gl.float32), 0.0)  # rounded as h's dtype stores it
         c = v * gl.expand_dims(s, 1)
-        q = gl.where(c > FMAX, FMAX, gl.where(c < -FMAX, -FMAX, c)).to(q_ptr.dtype.element_ty)
+        q = c.to(q_ptr.dtype.element_ty)  # saturating: torch's clamp to +-FMAX (triton_fp8_quant._sat)
         if whole:
             q_buf.slice(k * _CHUNK, _CHUNK).store(q)
         else:

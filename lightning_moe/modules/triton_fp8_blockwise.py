@@ -38,10 +38,10 @@ def _rne_bf16(v):
 
 @triton.jit
 def _e4m3(v, FMAX: tl.constexpr, HW: tl.constexpr):
-    """``v`` saturated (NaN stays) and cast to E4M3, rounded to nearest even: by the GPU's conversion (``HW``), or in
-    fp32 bit arithmetic (the interpreter's own rounding is not torch's)."""
+    """``v`` saturated (NaN stays) and cast to E4M3, rounded to nearest even: by the GPU's conversion (``HW``: its
+    cast saturates, as ``_sat`` says), or in fp32 bit arithmetic (the interpreter's own rounding is not torch's)."""
     if HW:
-        return tl.where(v > FMAX, FMAX, tl.where(v < -FMAX, -FMAX, v)).to(tl.float8e4nv)
+        return v.to(tl.float8e4nv)
     return _sat(v, FMAX).to(tl.float8e4nv)
 
 
