@@ -300,8 +300,9 @@ class FP8Training(L.Callback):
                        "defer_expert_wgrad off")
         elif trained and not _triton_wgrad_runs(self.recipe, trained, device, self.emulate):
             why = ("FP8Training(defer_expert_wgrad=True) needs the experts' Triton FP8 wgrad: an SM 9.0 GPU with "
-                   "triton, expert GEMM dims that are multiples of 16, no emulation, and LMOE_FP8_TRITON_WGRAD / "
-                   f"LMOE_FP8_TRITON_QUANT not 0 (here: {device.type}"
+                   "triton, expert GEMM dims that are multiples of 16, no emulation, and LMOE_FP8_TRITON_WGRAD and "
+                   + ("LMOE_FP8_BOTH" if self.recipe in ("tensorwise", "delayed") else "LMOE_FP8_TRITON_QUANT")
+                   + f" not 0 (here: {device.type}"
                    + (f" {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
                    + f", emulate={self.emulate}, dims {sorted({(g.K, g.N) for g in trained})}); leave "
                    "defer_expert_wgrad off")
@@ -342,7 +343,7 @@ class FP8Training(L.Callback):
         if n_bad:
             raise ValueError("MoEFoldStrategy(defer_expert_wgrad=...) does not reach the FP8 experts' wgrad"
                              + (f" ({trained[0].name}: {why})" if why else " on another rank")
-                             + "; use FP8Training(defer_expert_wgrad=...) for the rowwise FP8 wgrad, or "
+                             + "; use FP8Training(defer_expert_wgrad=...) for the FP8 wgrad, or "
                              "fp8_wgrad=False (E4M3 gradients, on an SM 9.0 GPU), or leave the strategy's "
                              "defer_expert_wgrad off")
 
@@ -461,10 +462,14 @@ def _defer_window(defer) -> Optional[int]:
 
 
 def _triton_wgrad_runs(recipe: str, grouped: list, device: torch.device, emulate: Optional[bool]) -> bool:
-    """Whether every FP8 expert GEMM's wgrad runs on ``triton_fp8_wgrad`` (the deferrable one): the Triton quantizers
-    and wgrad switched on (``fp8_grouped_kernels``), compiled (not interpreted), on the rowwise kernel's GPUs."""
+    """Whether every FP8 expert GEMM's wgrad runs on ``triton_fp8_wgrad`` (the deferrable one), compiled (not
+    interpreted), on the FP8 kernels' GPUs: the rowwise recipe's from the Triton quantizers, the tensorwise and
+    delayed recipes' from the one-pass kernels (``fp8_grouped_both``; their other path's wgrad is CUTLASS's), each
+    switched on (``fp8_grouped_kernels``' and ``fp8_grouped_both``'s environment switches)."""
+    from lightning_moe.modules import fp8_grouped_both
+    quantizers = fp8_grouped_both.ENABLED if recipe in ("tensorwise", "delayed") else grouped_kernels.FUSED_QUANT
     return (not emulate and device.type == "cuda" and importlib.util.find_spec("triton") is not None
-            and grouped_kernels.FUSED_QUANT and grouped_kernels.TRITON_WGRAD and not interpreting()
+            and quantizers and grouped_kernels.TRITON_WGRAD and not interpreting()
             and all(grouped_kernels.eligible(recipe, g.K, g.N, device) for g in grouped))
 
 

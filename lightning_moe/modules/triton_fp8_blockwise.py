@@ -37,11 +37,9 @@ def _rne_bf16(v):
 
 
 @triton.jit
-def _e4m3(v, FMAX: tl.constexpr, HW: tl.constexpr):
-    """``v`` saturated (NaN stays) and cast to E4M3, rounded to nearest even: by the GPU's conversion (``HW``: its
-    cast saturates, as ``_sat`` says), or in fp32 bit arithmetic (the interpreter's own rounding is not torch's)."""
-    if HW:
-        return v.to(tl.float8e4nv)
+def _e4m3(v, FMAX: tl.constexpr):
+    """``v`` saturated (NaN stays) and cast to E4M3, rounded to nearest even (``_sat``: the GPU's saturating cast, or
+    fp32 bit arithmetic under the interpreter, whose own rounding is not torch's)."""
     return _sat(v, FMAX).to(tl.float8e4nv)
 
 
@@ -87,14 +85,14 @@ def _tiles_kernel(x_ptr, src_ptr, end_ptr, q_ptr, sf_ptr, w_ptr, sc_ptr, P, M, K
             x = _rows(x_ptr, src_ptr, p, cols, M, K, SRC)
             at = p.to(tl.int64)[:, None] * K + cols[None, :]
             scale_r = _scale(tl.reduce(tl.abs(x), 1, _max_nan), FMAX, TINY, R)
-            tl.store(q_ptr + at, _e4m3(x * scale_r[:, None], FMAX, HW))
+            tl.store(q_ptr + at, _e4m3(x * scale_r[:, None], FMAX))
             tl.store(sf_ptr + tl.program_id(1).to(tl.int64) * P + p,
                      tl.math.div_rn(tl.full((R,), 1.0, tl.float32), scale_r))
             if WGRAD_FP8:  # K-major for the wgrad GEMM, which reduces over the places
                 tl.store(w_ptr + cols.to(tl.int64)[:, None] * P + p[None, :],
-                         tl.trans(_e4m3(x * scale_c[None, :], FMAX, HW)))
+                         tl.trans(_e4m3(x * scale_c[None, :], FMAX)))
             elif WGRAD:  # dequantized as the GEMMs do: times the reciprocal scale
-                tl.store(w_ptr + at, _bf16(_e4m3(x * scale_c[None, :], FMAX, HW).to(tl.float32) * inv_c[None, :], HW))
+                tl.store(w_ptr + at, _bf16(_e4m3(x * scale_c[None, :], FMAX).to(tl.float32) * inv_c[None, :], HW))
         if WGRAD_FP8:
             tl.store(sc_ptr + tl.program_id(0).to(tl.int64) * K + cols, inv_c)
 
@@ -128,7 +126,7 @@ def tiles(x_MK: torch.Tensor, src_P: Optional[torch.Tensor], end: torch.Tensor, 
 
 @triton.jit
 def _weights_kernel(w_ptr, amax_ptr, q_ptr, qt_ptr, sf_ptr, K, N, FMAX: tl.constexpr, TINY: tl.constexpr,
-                    PRESET: tl.constexpr, HW: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
+                    PRESET: tl.constexpr, T: tl.constexpr, R: tl.constexpr):
     """One 128 x 128 block in chunks of R rows: its amax (unless preset), then each chunk quantized and stored in
     both layouts."""
     e, kb, nb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -149,7 +147,7 @@ def _weights_kernel(w_ptr, amax_ptr, q_ptr, qt_ptr, sf_ptr, K, N, FMAX: tl.const
     for r in range(0, T, R):
         rows = kb * T + r + tl.arange(0, R)
         x = tl.load(w_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :]).to(tl.float32)
-        q = _e4m3(x * scale[None, :], FMAX, HW)
+        q = _e4m3(x * scale[None, :], FMAX)
         tl.store(q_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :], q)
         tl.store(qt_ptr + base + cols.to(tl.int64)[:, None] * K + rows[None, :], tl.trans(q))
     tl.store(sf_ptr + block + lane * 0, tl.math.div_rn(tl.full((T,), 1.0, tl.float32), scale), mask=lane == 0)
@@ -169,5 +167,5 @@ def weight_blocks(w_LKN: torch.Tensor, fmt: str, amax: Optional[torch.Tensor] = 
     amax = amax.float().contiguous() if preset else sf
     if L:
         launch(_weights_kernel, (L, K // BLOCK, N // BLOCK), w_LKN, amax, q, qt, sf, K, N, FMAX=fmax, TINY=_TINY,
-               PRESET=preset, HW=not interpreting(), T=BLOCK, R=ROWS, num_warps=4, enable_fp_fusion=False)
+               PRESET=preset, T=BLOCK, R=ROWS, num_warps=4, enable_fp_fusion=False)
     return q, qt, sf

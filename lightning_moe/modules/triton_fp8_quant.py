@@ -37,20 +37,23 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # torch's amax keeps NaNs
 
 
-# On a GPU the FP8 cast that follows ``_sat`` is the hardware's (cvt.rn.satfinite: nearest even, finite values past
-# FMAX and infinities to +-FMAX, NaN to NaN: torch's clamp-then-cast bits), so ``_sat`` leaves the values alone there
-# (the clamp cost four instructions a value, a quarter of a memory-bound pass's); the interpreter's own fp8 rounding
-# is not torch's, so there ``_sat`` clamps and rounds in fp32 first.
+# On an NVIDIA GPU the FP8 cast that follows ``_sat`` is the hardware's (cvt.rn.satfinite: nearest even, finite
+# values past FMAX and infinities to +-FMAX, NaN to NaN: torch's clamp-then-cast bytes), so ``_sat`` leaves the values
+# alone there (the clamp cost four instructions a value, a quarter of a memory-bound pass's). ROCm's cast is not known
+# to saturate: there the clamp stays. The interpreter's own fp8 rounding is not torch's, so there ``_sat`` clamps and
+# rounds in fp32 first.
 _ROUND_IN_FP32 = tl.constexpr(interpreting())
+_CLAMP = tl.constexpr(interpreting() or torch.version.hip is not None)
 
 
 @triton.jit
 def _sat(v, FMAX: tl.constexpr):
-    """torch's clamp(-FMAX, FMAX) (NaN stays NaN), for the FP8 cast that the caller makes at once: the GPU's
-    saturating cast clamps by itself; the interpreter's is clamped and rounded here."""
+    """torch's clamp(-FMAX, FMAX) (NaN stays NaN), for the FP8 cast that the caller makes at once: NVIDIA's saturating
+    cast clamps by itself; elsewhere the values are clamped here (and rounded, under the interpreter)."""
+    if _CLAMP:
+        v = tl.where(v > FMAX, FMAX, tl.where(v < -FMAX, -FMAX, v))
     if _ROUND_IN_FP32:
-        c = tl.where(v > FMAX, FMAX, tl.where(v < -FMAX, -FMAX, v))
-        return _rne_e4m3(c)
+        v = _rne_e4m3(v)
     return v
 
 
