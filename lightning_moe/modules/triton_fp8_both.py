@@ -54,11 +54,78 @@ def _amax_bits(a):
 
 
 @triton.jit
+def _load_block(x_ptr, h_ptr, g_ptr, r64, cols, m2, W, SOURCE: tl.constexpr):
+    """A block's source in fp32: (x, x, x) (SOURCE 0), (gate, up, up) (1) or (gate, up, g) (2)."""
+    if SOURCE == 0:
+        a = tl.load(x_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        b = a
+        c = a
+    else:
+        a = tl.load(h_ptr + r64 * 2 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        b = tl.load(h_ptr + r64 * 2 * W + W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        c = b
+        if SOURCE == 2:
+            c = tl.load(g_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    return a, b, c
+
+
+@triton.jit
+def _expert_scale(hist_ptr, g, gv, pmask, L, H, FMAX: tl.constexpr, TINY: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_EXPERT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Each position's scale: ``_scale`` of the max of its expert's H amaxes in ``hist`` (H, L), read in one load."""
+    hs = tl.arange(0, BLOCK_H)
+    if BLOCK_EXPERT:
+        used = tl.reduce(tl.load(hist_ptr + hs * L + g, mask=hs < H, other=0.0), 0, _max_nan) + tl.zeros(
+            (BLOCK_P,), tl.float32)
+    else:
+        used = tl.reduce(tl.load(hist_ptr + hs[None, :] * L + gv[:, None], mask=pmask[:, None] & (hs < H)[None, :],
+                                 other=0.0), 1, _max_nan)
+    return _scale(used, FMAX, TINY, BLOCK_P)
+
+
+@triton.jit
+def _store_inverses(s_P, inv_m_ptr, inv_l_ptr, src, ok, gv, p, pmask, pstart, BLOCK_P: tl.constexpr):
+    """The dequantization scales (the scales' reciprocals) per row and, from each expert's first position, per expert:
+    by the first column program."""
+    if tl.program_id(1) == 0:
+        inv = _stored(s_P, True, BLOCK_P)
+        tl.store(inv_m_ptr + src, inv, mask=ok)
+        tl.store(inv_l_ptr + gv, inv, mask=pmask & (p == pstart))
+
+
+@triton.jit
+def _quant_block(a, b, c, s, pr, h_ptr, q_ptr, qt_ptr, gp_ptr, src, r64, ok, p, pmask, cols, cmask, m2, xb, W,
+                 QT_STRIDE, FMAX: tl.constexpr, SOURCE: tl.constexpr, HAS_P: tl.constexpr, BLOCK_X: tl.constexpr):
+    """A block's values (``_load_block``'s) quantized by ``s`` into q and qT (and its row weights' partial gradient);
+    returns each row's amax."""
+    if SOURCE == 0:
+        _store_both(a, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
+        am = tl.abs(a)
+    elif SOURCE == 1:  # rounded to the activation's dtype, as the SwiGLU kernel stores it
+        v = swiglu_math(a, b, pr, HAS_P).to(h_ptr.dtype.element_ty).to(tl.float32)
+        _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
+        am = tl.abs(v)
+    else:
+        d_gate, d_up, terms = swiglu_grad_math(c, a, b, pr, HAS_P)
+        dg = d_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
+        du = d_up.to(h_ptr.dtype.element_ty).to(tl.float32)
+        _store_both(dg, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, 2 * W, QT_STRIDE, FMAX)
+        _store_both(du, s, q_ptr + W, qt_ptr + W.to(tl.int64) * QT_STRIDE, r64, ok, p, pmask, cols, cmask, 2 * W,
+                    QT_STRIDE, FMAX)
+        if HAS_P:  # per column block, as the host sums them
+            tl.store(gp_ptr + src.to(tl.int64) * tl.cdiv(W, BLOCK_X) + xb, tl.sum(tl.where(m2, terms, 0.0), 1),
+                     mask=ok & (p * 0 + xb * BLOCK_X < W))
+        am = _max_nan(tl.abs(dg), tl.abs(du))
+    return tl.reduce(am, 1, _max_nan)
+
+
+@triton.jit
 def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, hist_ptr, offs_ptr, poffs_ptr, gid_ptr, q_ptr, qt_ptr,
                  amax_ptr, inv_m_ptr, inv_l_ptr, P, W, L, H, QT_STRIDE, FMAX: tl.constexpr, TINY: tl.constexpr,
                  SOURCE: tl.constexpr, HAS_P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr,
                  BLOCK_EXPERT: tl.constexpr, BLOCK_H: tl.constexpr, LOOP: tl.constexpr, STAGES: tl.constexpr):
-    """BLOCK_P padded positions x LOOP blocks of BLOCK_X columns of the W-wide source: x (SOURCE 0, q is (M, W)),
+    """BLOCK_P padded positions x LOOP blocks (LOOP 0: one, in straight-line code) of BLOCK_X columns of the W-wide
+    source: x (SOURCE 0, q is (M, W)),
     SwiGLU of h (1: W = F, q is (M, F)) or its input gradient from g and h (2: W = F, q is (M, 2F): both halves from
     one read, the row weights' partial gradient per column block into ``gp``). Each position's expert and source row,
     looked up once for the LOOP blocks (whose loads run STAGES deep: a program of one block waited on its lookups'
@@ -76,52 +143,37 @@ def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, hist_ptr, offs_ptr, poffs_p
     src = start + (p - pstart)
     ok = pmask & (src < end)
     r64 = src.to(tl.int64)[:, None]
-    hs = tl.arange(0, BLOCK_H)
-    if BLOCK_EXPERT:
-        used = tl.reduce(tl.load(hist_ptr + hs * L + g, mask=hs < H, other=0.0), 0, _max_nan) + tl.zeros(
-            (BLOCK_P,), tl.float32)
-    else:
-        used = tl.reduce(tl.load(hist_ptr + hs[None, :] * L + gv[:, None], mask=pmask[:, None] & (hs < H)[None, :],
-                                 other=0.0), 1, _max_nan)
-    s_P = _scale(used, FMAX, TINY, BLOCK_P)
-    s = s_P[:, None]
-    if tl.program_id(1) == 0:
-        inv = _stored(s_P, True, BLOCK_P)
-        tl.store(inv_m_ptr + src, inv, mask=ok)
-        tl.store(inv_l_ptr + gv, inv, mask=pmask & (p == pstart))
-    amax_P = tl.zeros((BLOCK_P,), tl.float32)
     pr = 1.0
-    if HAS_P:
-        pr = tl.load(p_ptr + src, mask=ok, other=0.0).to(tl.float32)[:, None]
-    for i in tl.range(0, LOOP, num_stages=STAGES):
-        xb = tl.program_id(1) * LOOP + i
+    if LOOP == 0:
+        # one block, its source's loads issued before the history's: each load's latency under the other's (a loop
+        # over the history's rows, or the history first, waited for each in turn: the SwiGLU's gradient at Qwen3 took
+        # 0.58 and 0.55 ms against 0.42 on an H100)
+        xb = tl.program_id(1)
         cols = xb * BLOCK_X + tl.arange(0, BLOCK_X)
         cmask = cols < W
         m2 = ok[:, None] & cmask[None, :]
-        if SOURCE == 0:
-            v = tl.load(x_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
-            a = tl.abs(v)
-        else:
-            gate = tl.load(h_ptr + r64 * 2 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            up = tl.load(h_ptr + r64 * 2 * W + W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            if SOURCE == 1:  # rounded to the activation's dtype, as the SwiGLU kernel stores it
-                v = swiglu_math(gate, up, pr, HAS_P).to(h_ptr.dtype.element_ty).to(tl.float32)
-                _store_both(v, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, W, QT_STRIDE, FMAX)
-                a = tl.abs(v)
-            else:
-                gr = tl.load(g_ptr + r64 * W + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-                d_gate, d_up, terms = swiglu_grad_math(gr, gate, up, pr, HAS_P)
-                dg = d_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
-                du = d_up.to(h_ptr.dtype.element_ty).to(tl.float32)
-                _store_both(dg, s, q_ptr, qt_ptr, r64, ok, p, pmask, cols, cmask, 2 * W, QT_STRIDE, FMAX)
-                _store_both(du, s, q_ptr + W, qt_ptr + W.to(tl.int64) * QT_STRIDE, r64, ok, p, pmask, cols, cmask,
-                            2 * W, QT_STRIDE, FMAX)
-                if HAS_P:  # per column block, as the host sums them
-                    tl.store(gp_ptr + src.to(tl.int64) * tl.cdiv(W, BLOCK_X) + xb,
-                             tl.sum(tl.where(m2, terms, 0.0), 1), mask=ok & (p * 0 + xb * BLOCK_X < W))
-                a = _max_nan(tl.abs(dg), tl.abs(du))
-        amax_P = _max_nan(amax_P, tl.reduce(a, 1, _max_nan))
+        a, b, c = _load_block(x_ptr, h_ptr, g_ptr, r64, cols, m2, W, SOURCE)
+        if HAS_P:
+            pr = tl.load(p_ptr + src, mask=ok, other=0.0).to(tl.float32)[:, None]
+        s_P = _expert_scale(hist_ptr, g, gv, pmask, L, H, FMAX, TINY, BLOCK_P, BLOCK_EXPERT, BLOCK_H)
+        _store_inverses(s_P, inv_m_ptr, inv_l_ptr, src, ok, gv, p, pmask, pstart, BLOCK_P)
+        amax_P = _quant_block(a, b, c, s_P[:, None], pr, h_ptr, q_ptr, qt_ptr, gp_ptr, src, r64, ok, p, pmask, cols,
+                              cmask, m2, xb, W, QT_STRIDE, FMAX, SOURCE, HAS_P, BLOCK_X)
+    else:
+        if HAS_P:
+            pr = tl.load(p_ptr + src, mask=ok, other=0.0).to(tl.float32)[:, None]
+        s_P = _expert_scale(hist_ptr, g, gv, pmask, L, H, FMAX, TINY, BLOCK_P, BLOCK_EXPERT, BLOCK_H)
+        _store_inverses(s_P, inv_m_ptr, inv_l_ptr, src, ok, gv, p, pmask, pstart, BLOCK_P)
+        amax_P = tl.zeros((BLOCK_P,), tl.float32)
+        for i in tl.range(0, LOOP, num_stages=STAGES):
+            xb = tl.program_id(1) * LOOP + i
+            cols = xb * BLOCK_X + tl.arange(0, BLOCK_X)
+            cmask = cols < W
+            m2 = ok[:, None] & cmask[None, :]
+            a, b, c = _load_block(x_ptr, h_ptr, g_ptr, r64, cols, m2, W, SOURCE)
+            amax_P = _max_nan(amax_P, _quant_block(a, b, c, s_P[:, None], pr, h_ptr, q_ptr, qt_ptr, gp_ptr, src, r64,
+                                                   ok, p, pmask, cols, cmask, m2, xb, W, QT_STRIDE, FMAX, SOURCE,
+                                                   HAS_P, BLOCK_X))
     if BLOCK_EXPERT:
         tl.atomic_max(amax_ptr + g, _amax_bits(tl.reduce(amax_P, 0, _max_nan)), sem="relaxed")
     else:
@@ -130,12 +182,13 @@ def _both_kernel(x_ptr, h_ptr, g_ptr, p_ptr, gp_ptr, hist_ptr, offs_ptr, poffs_p
 
 @functools.lru_cache(maxsize=64)
 def config(W: int, source: int) -> tuple:
-    """(BLOCK_P, BLOCK_X, warps, LOOP, STAGES): 64 positions (half a token block of the wgrad: one expert's) by 256
-    columns for x, 8 warps, a program taking 4 column blocks three loads deep (0.399 ms at Qwen3's x against 0.411 for
-    one 64 x 128 block a program, -3 to -4 %; OLMoE -1 %); 64 x 128 for the SwiGLU, 32 x 128 for its gradient (two
-    halves stored), one block a program (a loop over columns held both halves' loads: 255 registers, twice as slow).
-    Measured on an H100 (docs/PERFORMANCE.md)."""
-    return (32, 128, 4, 1, 1) if source == 2 else (64, 128, 4, 1, 1) if source == 1 else (64, 256, 8, 4, 3)
+    """(BLOCK_P, BLOCK_X, warps, LOOP, STAGES), measured on an H100 (docs/PERFORMANCE.md):
+    - x: 64 positions (half a token block of the wgrad: one expert's) by 256 columns, 8 warps, a program taking 4
+      column blocks three loads deep (0.399 ms at Qwen3 against 0.411 for one 64 x 128 block a program; OLMoE -1 %);
+    - the SwiGLU: 64 x 128, one block in the loop's form (168 registers; the straight-line form takes 255);
+    - its gradient: 32 x 128 (two halves stored), one block in straight-line code, its source's loads ahead of the
+      history's (0.42 ms; the loop's form, the history first, 0.55)."""
+    return (32, 128, 4, 0, 1) if source == 2 else (64, 128, 4, 1, 1) if source == 1 else (64, 256, 8, 4, 3)
 
 
 def _launch(source: int, x, h, g, p, amax_HL, offs_L, poffs_L, gid_P, P: int, W: int, q_cols: int, fmt: str,
@@ -155,13 +208,13 @@ def _launch(source: int, x, h, g, p, amax_HL, offs_L, poffs_L, gid_P, P: int, W:
     inv_M = torch.empty(M, device=dev, dtype=torch.float32)
     inv_L = torch.ones(L, device=dev, dtype=torch.float32)  # an empty expert's: no row writes it
     amax_HL = amax_HL.float().reshape(-1, L).contiguous()
-    BLOCK_P, BLOCK_X, warps, loop, stages = (*(cfg or config(W, source)), 1, 1)[:5]  # (BP, BX, warps): one block
+    BLOCK_P, BLOCK_X, warps, loop, stages = (*(cfg or config(W, source)), 1, 1)[:5]  # (BP, BX, warps): LOOP 1
     nxb = triton.cdiv(W, BLOCK_X)
     gp = torch.zeros(M, nxb, device=dev, dtype=torch.float32) if source == 2 and p is not None else None
     if P and W and L:
-        launch(_both_kernel, (triton.cdiv(P, BLOCK_P), triton.cdiv(nxb, loop)), src, src if h is None else h,
-               src if g is None else g,
-               src if p is None else p, amax_bits if gp is None else gp, amax_HL,
+        launch(_both_kernel, (triton.cdiv(P, BLOCK_P), triton.cdiv(nxb, max(loop, 1))), src,
+               src if h is None else h, src if g is None else g, src if p is None else p,
+               amax_bits if gp is None else gp, amax_HL,
                offs_L.to(torch.int32).contiguous(), poffs_L.to(torch.int32).contiguous(),
                gid_P.to(torch.int32).contiguous(), q, qt, amax_bits, inv_M, inv_L, P, W, L, amax_HL.shape[0],
                qt.stride(0), FMAX=fmax, TINY=_TINY, SOURCE=source,

@@ -22,10 +22,12 @@ def test_kernels_under_the_interpreter():
 inside = pytest.mark.skipif(not INSIDE, reason="runs in the interpreter's process")
 
 # (counts, tail rows, width, layout alignment, config): one expert per block (align a multiple of BLOCK_P) or not;
-# a program over LOOP column blocks (the last program's past the width: 96 columns are three blocks of 32)
+# a program over LOOP column blocks (the last program's past the width: 96 columns are three blocks of 32), or
+# over one in straight-line code (LOOP 0)
 CASES = [([5, 0, 9, 3], 2, 96, 16, (16, 32, 4)), ([5, 0, 9, 3], 2, 96, 16, (32, 32, 4)),
          ([40, 7, 0, 21], 0, 64, 128, None), ([3], 1, 80, 16, (16, 64, 4)),
-         ([5, 0, 9, 3], 2, 96, 16, (16, 32, 4, 2, 2)), ([40, 7, 0, 21], 0, 96, 32, (32, 32, 4, 2, 3))]
+         ([5, 0, 9, 3], 2, 96, 16, (16, 32, 4, 2, 2)), ([40, 7, 0, 21], 0, 96, 32, (32, 32, 4, 2, 3)),
+         ([5, 0, 9, 3], 2, 96, 16, (16, 32, 4, 0, 1))]
 
 
 def _layout(counts, tail: int, align: int):
@@ -116,7 +118,7 @@ def _swiglu_inputs(counts, tail: int, F: int, weighted: bool, seed: int):
 @inside
 @pytest.mark.parametrize("weighted,align,cfg", [(False, 16, (16, 32, 4)), (True, 16, (32, 32, 4)),
                                                 (True, 128, None),
-                                                (True, 16, (16, 32, 4, 2, 2))])
+                                                (True, 16, (16, 32, 4, 2, 2)), (False, 16, (16, 32, 4, 0, 1))])
 def test_swiglu_both_quantizes_the_swiglu_kernels_output(weighted, align, cfg):
     from lightning_moe.modules import triton_fp8_both as tb
     from lightning_moe.modules import triton_swiglu
@@ -131,7 +133,7 @@ def test_swiglu_both_quantizes_the_swiglu_kernels_output(weighted, align, cfg):
 @inside
 @pytest.mark.parametrize("weighted,align,cfg", [(False, 16, (16, 32, 4)), (True, 16, (32, 32, 4)),
                                                 (True, 128, None),
-                                                (True, 16, (16, 32, 4, 2, 2))])
+                                                (True, 16, (16, 32, 4, 2, 2)), (False, 16, (16, 32, 4, 0, 1))])
 def test_swiglu_backward_both_quantizes_the_swiglu_gradient(weighted, align, cfg):
     from lightning_moe.modules import triton_fp8_both as tb
     from lightning_moe.modules import triton_swiglu
