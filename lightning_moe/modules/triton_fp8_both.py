@@ -185,9 +185,9 @@ def config(W: int, source: int) -> tuple:
     """(BLOCK_P, BLOCK_X, warps, LOOP, STAGES), measured on an H100 (docs/PERFORMANCE.md):
     - x: 64 positions (half a token block of the wgrad: one expert's) by 256 columns, 8 warps, a program taking 4
       column blocks three loads deep (0.399 ms at Qwen3 against 0.411 for one 64 x 128 block a program; OLMoE -1 %);
-    - the SwiGLU: 64 x 128, one block in the loop's form (168 registers; the straight-line form takes 255);
+    - the SwiGLU: 64 x 128, one block in the loop's form (96 registers, 0.238 ms; straight-line: 255, 0.263);
     - its gradient: 32 x 128 (two halves stored), one block in straight-line code, its source's loads ahead of the
-      history's (0.42 ms; the loop's form, the history first, 0.55)."""
+      history's (Qwen3: 0.414 ms, the loop's form 0.473, ``benchmarks/bench_fp8_both.py``)."""
     return (32, 128, 4, 0, 1) if source == 2 else (64, 128, 4, 1, 1) if source == 1 else (64, 256, 8, 4, 3)
 
 
