@@ -38,7 +38,8 @@ def counts_of(E: int, M: int, uneven: bool) -> list[int]:
 
 
 def other_form(cfg: tuple) -> tuple:
-    """The same block in the other form: straight-line code for a one-block loop, a one-block loop otherwise."""
+    """The same block in the other form: straight-line code for a loop (of any length), a one-block loop for
+    straight-line code."""
     bp, bx, warps, loop, stages = cfg
     return (bp, bx, warps, 0, 1) if loop >= 1 else (bp, bx, warps, 1, 1)
 
